@@ -1,0 +1,1 @@
+"""GPU topology, placement, KubeRay and Serve configs (not built yet)."""

@@ -1,0 +1,1 @@
+"""Tree ops: plain torch references (Triton kernels join them later)."""

@@ -1,0 +1,1 @@
+"""Serve deployments and the OpenAI API (not built yet)."""

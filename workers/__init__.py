@@ -1,0 +1,1 @@
+"""Ray actors, model code and the speculative loop."""

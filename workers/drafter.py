@@ -1,0 +1,289 @@
+"""The DFlash drafter: one pass over [bonus, MASK x (B-1)] proposes B-1 future distributions.
+
+It is conditioned on the target's hidden states of the committed tokens: the outputs of target
+decoder layers `target_layer_ids` (Hugging Face `hidden_states[id + 1]`), concatenated, then
+`fc` (no bias) + RMSNorm, injected as extra keys/values into every drafter layer through that
+layer's own k/v projections and k-norm. Attention inside the block is bidirectional. Embedding
+and LM head are the target's.
+
+Checkpoint format (the published one, loaded with safetensors, no trust_remote_code):
+config.json with qwen3 fields plus `block_size`, `num_target_layers`,
+`dflash_config.target_layer_ids`, `dflash_config.mask_token_id`; weights `fc.weight`,
+`hidden_norm.weight`, `layers.N.self_attn.{q,k,v,o}_proj.weight`, `layers.N.self_attn.{q,k}_norm.weight`,
+`layers.N.{input,post_attention}_layernorm.weight`, `layers.N.mlp.{gate,up,down}_proj.weight`,
+`norm.weight`.
+
+The context cache holds the keys/values of exactly the committed tokens: the block's own keys
+are used in the pass and never written to it, so "crop to the committed length after every
+draft" holds by construction.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .model import MLP, RMSNorm, TargetModel, apply_rope, attend, rope_cos_sin, rope_inv_freq
+
+
+class Proposer(Protocol):
+    """What the Coordinator needs from a drafter (the DFlash model, or a test oracle)."""
+
+    block_size: int  # B: the block is [bonus, MASK x (B-1)], so B-1 drafted depths
+    target_layer_ids: tuple[int, ...]  # target layers whose outputs the drafter reads
+
+    def new_cache(self, batch: int, slots: int): ...
+
+    def draft(self, cache, features: torch.Tensor, bonus: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """features [B, n, F]: target features of the tokens committed since the last draft
+        (their positions are start - n ... start - 1); bonus [B]; start [B] = position of the
+        bonus. Returns log-probs [B, B_blk - 1, V] for positions start + 1 ... start + B_blk - 1."""
+        ...
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    block_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "DFlashConfig":
+        dflash = hf.get("dflash_config") or {}
+        rope = hf.get("rope_parameters") or {}
+        if "target_layer_ids" not in dflash or "mask_token_id" not in dflash:
+            raise ValueError("drafter config.json needs dflash_config.target_layer_ids and .mask_token_id")
+        heads = hf["num_attention_heads"]
+        return cls(
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            vocab_size=hf["vocab_size"],
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            block_size=int(hf.get("block_size", dflash.get("block_size", 0))),
+            num_target_layers=int(hf["num_target_layers"]),
+            target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
+            mask_token_id=int(dflash["mask_token_id"]),
+        )
+
+    def to_hf(self) -> dict:
+        return {
+            "architectures": ["DFlashDraftModel"],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "tie_word_embeddings": False,
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "dflash_config": {
+                "target_layer_ids": list(self.target_layer_ids),
+                "mask_token_id": self.mask_token_id,
+            },
+        }
+
+
+@dataclass
+class DraftCache:
+    """Context keys/values per drafter layer; slots [0, lengths[b]) = committed tokens."""
+
+    k: torch.Tensor  # [L, B, Hkv, S, D]
+    v: torch.Tensor  # [L, B, Hkv, S, D]
+    lengths: torch.Tensor  # [B] int64
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def keys_values(self, x, cos, sin):
+        """x [B, T, H] -> roped, k-normed keys and values [B, Hkv, T, D]."""
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, block_rope, ctx, ctx_rope, layer: int, cache: DraftCache):
+        """x [B, S, H] block; ctx [B, n, H] new context (fc + norm of target features)."""
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, *block_rope)
+        k_blk, v_blk = self.keys_values(x, *block_rope)
+        n = ctx.shape[1]
+        if n:
+            k_ctx, v_ctx = self.keys_values(ctx, *ctx_rope)
+            for row in range(b):
+                at = int(cache.lengths[row])
+                cache.k[layer, row, :, at : at + n] = k_ctx[row]
+                cache.v[layer, row, :, at : at + n] = v_ctx[row]
+        total = int(cache.lengths.max()) + n
+        keys = torch.cat([cache.k[layer, :, :, :total], k_blk], dim=2)
+        values = torch.cat([cache.v[layer, :, :, :total], v_blk], dim=2)
+        seen = torch.arange(total, device=x.device)[None, :] < (cache.lengths + n)[:, None]
+        mask = torch.cat([seen, torch.ones(b, s, dtype=torch.bool, device=x.device)], dim=1)
+        out = attend(q, keys, values, mask[:, None, None, :])
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.self_attn = DraftAttention(c)
+        self.mlp = MLP(c.hidden_size, c.intermediate_size)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(self, x, block_rope, ctx, ctx_rope, layer, cache):
+        x = x + self.self_attn(self.input_layernorm(x), block_rope, ctx, ctx_rope, layer, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: DFlashConfig, target: TargetModel):
+        super().__init__()
+        if config.hidden_size != target.config.hidden_size or config.vocab_size != target.config.vocab_size:
+            raise ValueError(
+                f"drafter (hidden {config.hidden_size}, vocab {config.vocab_size}) does not fit the "
+                f"target (hidden {target.config.hidden_size}, vocab {target.config.vocab_size})"
+            )
+        if max(config.target_layer_ids) >= target.config.num_hidden_layers:
+            raise ValueError(f"target_layer_ids {config.target_layer_ids} exceed the target's layers")
+        self.config = config
+        self.block_size = config.block_size
+        self.target_layer_ids = config.target_layer_ids
+        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, None)
+        # The target's embedding and LM head, shared, not part of the drafter's weights.
+        self._target = (target,)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def new_cache(self, batch: int, slots: int) -> DraftCache:
+        c = self.config
+        shape = (c.num_hidden_layers, batch, c.num_key_value_heads, slots, c.head_dim)
+        dev = self.fc.weight.device
+        return DraftCache(
+            torch.zeros(shape, dtype=self.dtype, device=dev),
+            torch.zeros(shape, dtype=self.dtype, device=dev),
+            torch.zeros(batch, dtype=torch.int64, device=dev),
+        )
+
+    def hidden(self, cache: DraftCache, features, bonus, start) -> torch.Tensor:
+        """The drafter's final hidden states [B, S, H] for the block at positions start + i;
+        appends the context keys/values of `features` to `cache`."""
+        target = self._target[0]
+        b, n = features.shape[:2]
+        s = self.block_size
+        if not torch.equal(cache.lengths + n, start):
+            raise ValueError(f"drafter cache holds {cache.lengths.tolist()} tokens + {n} new, but the bonus sits at {start.tolist()}")
+        block = torch.full((b, s), self.config.mask_token_id, dtype=torch.int64, device=bonus.device)
+        block[:, 0] = bonus
+        x = target.model.embed_tokens(block).to(self.dtype)
+        ctx = self.hidden_norm(self.fc(features.to(self.dtype)))
+        steps = torch.arange(s, device=bonus.device)
+        block_rope = rope_cos_sin(start[:, None] + steps, self.inv_freq, self.dtype)
+        ctx_pos = cache.lengths[:, None] + torch.arange(n, device=bonus.device)
+        ctx_rope = rope_cos_sin(ctx_pos, self.inv_freq, self.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, block_rope, ctx, ctx_rope, i, cache)
+        cache.lengths += n
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def draft(self, cache: DraftCache, features, bonus, start) -> torch.Tensor:
+        target = self._target[0]
+        h = self.hidden(cache, features, bonus, start)[:, 1:]
+        return torch.log_softmax(target.lm_head(h.to(target.dtype)).double(), dim=-1)
+
+    # --- checkpoints ----------------------------------------------------------------------
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2))
+        state = {k: t.detach().contiguous() for k, t in self.state_dict().items()}
+        save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+    @classmethod
+    def load(cls, directory: str | Path, target: TargetModel) -> "DFlashDrafter":
+        directory = Path(directory)
+        config = DFlashConfig.from_hf(json.loads((directory / "config.json").read_text()))
+        state = {}
+        for f in sorted(directory.glob("*.safetensors")):
+            state.update(load_file(str(f)))
+        drafter = cls(config, target).to(target.dtype)
+        drafter.load_state_dict({k: t.to(target.dtype) for k, t in state.items()}, strict=True)
+        return drafter.eval()
+
+    @classmethod
+    def untrained(
+        cls, target: TargetModel, block_size: int = 8, num_layers: int = 1, seed: int = 0
+    ) -> "DFlashDrafter":
+        """A seeded, randomly initialised drafter for `target`: lossless, just slow to accept.
+        It reads three target layers spread over the depth (first, middle, last-but-one), and
+        uses the last vocabulary id as its mask token."""
+        t = target.config
+        layers = t.num_hidden_layers
+        ids = tuple(sorted({1 % layers, layers // 2, max(layers - 2, 0)}))
+        config = DFlashConfig(
+            hidden_size=t.hidden_size,
+            intermediate_size=t.intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=t.num_attention_heads,
+            num_key_value_heads=t.num_key_value_heads,
+            head_dim=t.head_dim,
+            vocab_size=t.vocab_size,
+            rms_norm_eps=t.rms_norm_eps,
+            rope_theta=t.rope_theta,
+            block_size=block_size,
+            num_target_layers=layers,
+            target_layer_ids=ids,
+            mask_token_id=t.vocab_size - 1,
+        )
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            drafter = cls(config, target)
+            for module in drafter.modules():
+                if isinstance(module, nn.Linear):
+                    nn.init.normal_(module.weight, std=0.02)
+        return drafter.to(target.dtype).eval()

