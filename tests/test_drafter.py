@@ -1,0 +1,145 @@
+"""The DFlash drafter: loads the published checkpoint format; cached drafting equals a recompute."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ddtree.workers.drafter import DFlashDrafter
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS, BLOCK = 32, 4, 2, 8, 48, 2, 5
+TARGET_LAYERS = [0, 2]
+
+
+def write_published_checkpoint(directory, vocab: int, seed: int = 0):
+    """A tiny random drafter written by hand in the published DFlash layout (config fields and
+    tensor names as released checkpoints have them), not through ddtree's own save()."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g) * 0.2  # noqa: E731
+    state = {"fc.weight": rand(HIDDEN, HIDDEN * len(TARGET_LAYERS)),
+             "hidden_norm.weight": 1 + rand(HIDDEN), "norm.weight": 1 + rand(HIDDEN)}
+    for i in range(LAYERS):
+        p = f"layers.{i}."
+        state |= {
+            p + "self_attn.q_proj.weight": rand(HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.k_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.v_proj.weight": rand(KV_HEADS * HEAD_DIM, HIDDEN),
+            p + "self_attn.o_proj.weight": rand(HIDDEN, HEADS * HEAD_DIM),
+            p + "self_attn.q_norm.weight": 1 + rand(HEAD_DIM),
+            p + "self_attn.k_norm.weight": 1 + rand(HEAD_DIM),
+            p + "input_layernorm.weight": 1 + rand(HIDDEN),
+            p + "post_attention_layernorm.weight": 1 + rand(HIDDEN),
+            p + "mlp.gate_proj.weight": rand(INTER, HIDDEN),
+            p + "mlp.up_proj.weight": rand(INTER, HIDDEN),
+            p + "mlp.down_proj.weight": rand(HIDDEN, INTER),
+        }
+    save_file(state, str(directory / "model.safetensors"))
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "attention_bias": False,
+        "hidden_size": HIDDEN, "intermediate_size": INTER, "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM,
+        "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "block_size": BLOCK,
+        "num_target_layers": 3,
+        "dflash_config": {"target_layer_ids": TARGET_LAYERS, "mask_token_id": vocab - 2},
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    return state, config
+
+
+def reference_draft(state, config, target, features, bonus: int, start: int):
+    """Plain-torch DFlash forward from the published description, no cache: context = all
+    features before `start`; queries = the block; keys = [context ; block], all visible."""
+    eps, theta = config["rms_norm_eps"], config["rope_theta"]
+    norm = lambda x, w: w * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # noqa: E731
+    inv = 1.0 / theta ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM)
+
+    def rope(x, pos):  # x [T, heads, D]
+        f = pos.double()[:, None] * inv
+        cos, sin = torch.cat([f, f], -1).cos()[:, None], torch.cat([f, f], -1).sin()[:, None]
+        return x * cos + torch.cat([-x[..., HEAD_DIM // 2:], x[..., :HEAD_DIM // 2]], -1) * sin
+
+    W = {k: v.double() for k, v in state.items()}
+    n = features.shape[0]
+    ctx = norm(features @ W["fc.weight"].T, W["hidden_norm.weight"])
+    block = torch.full((BLOCK,), config["dflash_config"]["mask_token_id"])
+    block[0] = bonus
+    x = target.model.embed_tokens(block).double()
+    ctx_pos, blk_pos = torch.arange(n), start + torch.arange(BLOCK)
+    for i in range(LAYERS):
+        p = f"layers.{i}."
+        h = norm(x, W[p + "input_layernorm.weight"])
+        q = rope(norm((h @ W[p + "self_attn.q_proj.weight"].T).view(BLOCK, HEADS, HEAD_DIM), W[p + "self_attn.q_norm.weight"]), blk_pos)
+        both = torch.cat([ctx, h])
+        k = (both @ W[p + "self_attn.k_proj.weight"].T).view(n + BLOCK, KV_HEADS, HEAD_DIM)
+        k = rope(norm(k, W[p + "self_attn.k_norm.weight"]), torch.cat([ctx_pos, blk_pos]))
+        v = (both @ W[p + "self_attn.v_proj.weight"].T).view(n + BLOCK, KV_HEADS, HEAD_DIM)
+        k, v = k.repeat_interleave(HEADS // KV_HEADS, 1), v.repeat_interleave(HEADS // KV_HEADS, 1)
+        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / HEAD_DIM**0.5, -1)
+        x = x + torch.einsum("hqk,khd->qhd", att, v).reshape(BLOCK, -1) @ W[p + "self_attn.o_proj.weight"].T
+        h = norm(x, W[p + "post_attention_layernorm.weight"])
+        act = torch.nn.functional.silu(h @ W[p + "mlp.gate_proj.weight"].T) * (h @ W[p + "mlp.up_proj.weight"].T)
+        x = x + act @ W[p + "mlp.down_proj.weight"].T
+    logits = target.lm_head(norm(x, W["norm.weight"])[1:])
+    return torch.log_softmax(logits, -1)
+
+
+@pytest.fixture
+def drafter_and_state(tmp_path, tiny_checkpoint):
+    _, target, _ = tiny_checkpoint("llama")
+    state, config = write_published_checkpoint(tmp_path, vocab=97)
+    return DFlashDrafter.load(tmp_path, target), state, config, target
+
+
+def test_loads_published_format(drafter_and_state):
+    drafter, state, config, _ = drafter_and_state
+    assert drafter.block_size == BLOCK and drafter.target_layer_ids == tuple(TARGET_LAYERS)
+    assert drafter.config.mask_token_id == 95
+    ours = drafter.state_dict()
+    assert set(ours) == set(state), "exactly the published tensor names, nothing of the target's"
+    for name, tensor in state.items():
+        assert torch.equal(ours[name], tensor.double())
+
+
+def test_matches_plain_torch_reference(drafter_and_state):
+    drafter, state, config, target = drafter_and_state
+    g = torch.Generator().manual_seed(1)
+    features = torch.randn(1, 9, HIDDEN * 2, generator=g, dtype=torch.float64)
+    cache = drafter.new_cache(1, 32)
+    got = drafter.draft(cache, features, torch.tensor([4]), torch.tensor([9]))[0]
+    want = reference_draft(state, config, target, features[0], 4, 9)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
+
+
+def test_cached_incremental_drafting_equals_recompute(drafter_and_state):
+    """Three rounds that hand over 6, 2 and 3 newly committed tokens' features give the same
+    distributions as a fresh drafter cache fed all features at once, each round."""
+    drafter, *_ = drafter_and_state
+    g = torch.Generator().manual_seed(2)
+    features = torch.randn(1, 11, HIDDEN * 2, generator=g, dtype=torch.float64)
+    cache = drafter.new_cache(1, 32)
+    for end, bonus in [(6, 3), (8, 17), (11, 50)]:
+        begun = int(cache.lengths[0])
+        incremental = drafter.draft(cache, features[:, begun:end], torch.tensor([bonus]), torch.tensor([end]))
+        assert int(cache.lengths[0]) == end, "the context cache holds exactly the committed tokens"
+        fresh = drafter.draft(drafter.new_cache(1, 32), features[:, :end], torch.tensor([bonus]), torch.tensor([end]))
+        torch.testing.assert_close(incremental, fresh, rtol=0, atol=1e-12)
+
+
+def test_rejects_a_misaligned_context(drafter_and_state):
+    drafter, *_ = drafter_and_state
+    cache = drafter.new_cache(1, 32)
+    with pytest.raises(ValueError, match="bonus sits at"):
+        drafter.draft(cache, torch.zeros(1, 4, HIDDEN * 2, dtype=torch.float64), torch.tensor([1]), torch.tensor([6]))
+
+
+def test_save_load_round_trip(tmp_path, tiny_checkpoint):
+    _, target, _ = tiny_checkpoint("qwen3")
+    drafter = DFlashDrafter.untrained(target, block_size=4, seed=3)
+    drafter.save(tmp_path)
+    again = DFlashDrafter.load(tmp_path, target)
+    features = torch.randn(1, 5, drafter.fc.in_features, dtype=torch.float64)
+    args = (features, torch.tensor([2]), torch.tensor([5]))
+    assert torch.equal(drafter.draft(drafter.new_cache(1, 16), *args), again.draft(again.new_cache(1, 16), *args))

@@ -1,0 +1,105 @@
+"""Our model code against transformers' own implementation, and the tree-verify forward
+against plain decoding."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ddtree.kernels.tree import build_tree, verify_block
+from ddtree.workers.loading import gguf_to_hf_dir, default_target_path, load_target_weights
+
+from .conftest import make_hf_model
+
+
+def our_logits(model, ids: torch.Tensor, capture=()):
+    n = ids.shape[1]
+    cache = model.new_cache(1, n + 1)
+    return model(ids, torch.arange(n)[None], model.prefill_mask(n), cache, capture_layers=capture)
+
+
+@pytest.mark.parametrize(
+    "family,overrides",
+    [
+        ("llama", {}),
+        ("qwen3", {}),
+        (
+            "llama",
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}},
+        ),
+    ],
+    ids=["llama", "qwen3", "llama3-rope-scaling"],
+)
+def test_logits_match_transformers(tmp_path, family, overrides):
+    hf = make_hf_model(family, **overrides).to(torch.float32)
+    hf.save_pretrained(tmp_path)
+    ours = load_target_weights(tmp_path, torch.float32)
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(0))
+    ref = hf(ids, output_hidden_states=True)
+    out = our_logits(ours, ids, capture=(1, 0))
+    torch.testing.assert_close(out.logits, ref.logits, rtol=1e-4, atol=1e-4)
+    # features: outputs of decoder layers 1 then 0 = HF hidden_states[2], [1], in the asked order
+    # (HF's last entry is after the final norm, so the last layer is not compared here)
+    expected = torch.cat([ref.hidden_states[2], ref.hidden_states[1]], -1)
+    torch.testing.assert_close(out.features, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("pad", [False, True])
+def test_tree_verify_equals_plain_decoding_of_each_path(tiny_checkpoint, family, pad):
+    """Each tree node's logits equal the logits plain decoding computes after that node's path."""
+    _, model, _ = tiny_checkpoint(family)
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, 97, (1, 7), generator=g)
+    tree = build_tree(11, torch.log_softmax(torch.randn(4, 97, generator=g, dtype=torch.float64), -1), 12)
+    start = prompt.shape[1]
+    cache = model.new_cache(1, 40)
+    model(prompt, torch.arange(start)[None], model.prefill_mask(start), cache)
+    cache.lengths += start
+    block = verify_block(tree, start, pad_to=20 if pad else None)
+    out = model(block.tokens[None], block.positions[None], block.mask[None], cache)
+    for node in range(tree.size):
+        path, n = [], node
+        while n >= 0:
+            path.append(n)
+            n = int(tree.parents[n])
+        seq = torch.cat([prompt, tree.tokens[list(reversed(path))][None]], dim=1)
+        plain = our_logits(model, seq).logits[0, -1]
+        torch.testing.assert_close(out.logits[0, node], plain, rtol=0, atol=1e-10)
+
+
+@pytest.mark.smollm2
+def test_smollm2_logits_match_transformers(smollm2):
+    """Our fp32 SmolLM2-135M-Instruct (from the GGUF, cached as safetensors) against
+    transformers reading the same cached directory."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2.directory, dtype=torch.float32).eval()
+    tok = smollm2.tokenizer
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Write a haiku about speculative decoding."}],
+        tokenize=False, add_generation_prompt=True,
+    )
+    ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+    with torch.no_grad():
+        ref = hf(ids).logits
+    out = our_logits(smollm2.model, ids)
+    torch.testing.assert_close(out.logits, ref, rtol=1e-3, atol=2e-3)
+    assert torch.equal(out.logits.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.smollm2
+def test_gguf_is_cached_as_safetensors(smollm2):
+    """The second load of the GGUF reads the safetensors cache instead of converting again."""
+    directory = gguf_to_hf_dir(default_target_path())
+    assert directory == smollm2.directory
+    weights = directory / "model.safetensors"
+    before = weights.stat().st_mtime_ns
+    assert gguf_to_hf_dir(default_target_path()) == directory
+    assert weights.stat().st_mtime_ns == before
+    config = json.loads((directory / "config.json").read_text())
+    assert config["model_type"] == "llama" and "quantization_config" not in config
+    assert smollm2.tokenizer.chat_template, "chat template comes from the same GGUF"
