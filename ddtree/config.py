@@ -9,7 +9,26 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 DTYPES = {"float32": "float32", "float64": "float64", "bfloat16": "bfloat16"}
 
 
-class GenerateConfig(BaseModel):
+class SamplingParams(BaseModel):
+    """Per-request sampling. temperature 0 is greedy (and ignores the seed)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(0.0, ge=0.0, description="0 = greedy; > 0 samples.")
+    top_k: int = Field(0, ge=-1, description="Keep the k most likely tokens; 0 or -1 = off.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus mass in (0, 1]; 1 = off.")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="Drop tokens below min_p x the top probability.")
+    seed: int | None = Field(
+        None, ge=0, description="Seed of the counter-based draws; None = a random seed, reported back."
+    )
+
+
+GREEDY = SamplingParams()
+
+
+class ModelPairConfig(BaseModel):
+    """The target, its drafter and how they speculate: shared by the CLI and the server."""
+
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = Field(
@@ -25,30 +44,32 @@ class GenerateConfig(BaseModel):
         "N = DDTree with N drafted nodes."
     )
     block_size: int = Field(8, ge=2, description="Block size of the untrained default drafter.")
-    max_tokens: int = Field(64, ge=1, description="Most completion tokens per prompt.")
-    temperature: float = Field(0.0, ge=0.0, description="0 = greedy decoding.")
-    seed: int | None = Field(None, description="Sampling seed (ignored at temperature 0).")
-    stop: list[str] = Field(default_factory=list, description="Stop strings.")
     dtype: Literal["float32", "float64", "bfloat16"] = Field("float32", description="Weights dtype.")
     static_shapes: bool = Field(True, description="Pad every verify pass to budget + 1 rows.")
 
     @field_validator("budget", mode="before")
     @classmethod
     def _budget(cls, v):
-        if isinstance(v, str) and v != "chain":
-            try:
-                v = int(v)
-            except ValueError:
-                raise ValueError("budget must be a non-negative integer or 'chain'") from None
-        if isinstance(v, int) and v < 0:
-            raise ValueError("budget must be >= 0 (0 = plain decoding)")
-        return v
+        return parse_budget(v)
 
-    @field_validator("temperature")
-    @classmethod
-    def _greedy_only(cls, v):
-        if v > 0:
-            raise ValueError(
-                "sampling (temperature > 0) is not implemented yet; use temperature 0 (greedy)"
-            )
-        return v
+
+def parse_budget(v):
+    """'chain', or a non-negative integer (also given as a string); ValueError otherwise."""
+    if isinstance(v, str) and v != "chain":
+        try:
+            v = int(v)
+        except ValueError:
+            raise ValueError("budget must be a non-negative integer or 'chain'") from None
+    if isinstance(v, bool) or (not isinstance(v, int) and v != "chain"):
+        raise ValueError("budget must be a non-negative integer or 'chain'")
+    if isinstance(v, int) and v < 0:
+        raise ValueError("budget must be >= 0 (0 = plain decoding)")
+    return v
+
+
+class GenerateConfig(ModelPairConfig):
+    """`ddtree generate`: a model pair plus what every prompt of the run shares."""
+
+    max_tokens: int = Field(64, ge=1, description="Most completion tokens per prompt.")
+    sampling: SamplingParams = Field(default_factory=SamplingParams, description="Sampling parameters.")
+    stop: list[str] = Field(default_factory=list, description="Stop strings.")

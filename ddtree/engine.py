@@ -1,4 +1,5 @@
-"""The in-process engine: loads a model pair from a GenerateConfig and runs prompts."""
+"""The in-process engine: a model pair loaded from its config, plus the tokenizer's side of a
+request (chat template, EOS, decoding). The CLI and the Serve engine deployment both use it."""
 
 from __future__ import annotations
 
@@ -6,55 +7,69 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import GenerateConfig
-from .workers.coordinator import Coordinator, Request, Result
+from .config import GenerateConfig, ModelPairConfig, SamplingParams
+from .workers.coordinator import Budget, Coordinator, Request, Result
 from .workers.drafter import DFlashDrafter
 from .workers.loading import LoadedTarget, load_target
 
 
 @dataclass
 class Engine:
-    config: GenerateConfig
+    config: ModelPairConfig
     target: LoadedTarget
     coordinator: Coordinator
 
     @classmethod
-    def from_config(cls, config: GenerateConfig) -> "Engine":
+    def from_config(cls, config: ModelPairConfig) -> "Engine":
         dtype = getattr(torch, config.dtype)
         target = load_target(config.model, dtype)
-        drafter = None
-        if config.budget != 0:
-            drafter = (
-                DFlashDrafter.load(config.drafter, target.model)
-                if config.drafter
-                else DFlashDrafter.untrained(target.model, block_size=config.block_size)
-            )
-        tok = target.tokenizer
-        coordinator = Coordinator(
-            target.model,
-            drafter,
-            config.budget,
-            static_shapes=config.static_shapes,
-            decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+        # The drafter is loaded even at budget 0, so that a request may ask for another budget.
+        drafter = (
+            DFlashDrafter.load(config.drafter, target.model)
+            if config.drafter
+            else DFlashDrafter.untrained(target.model, block_size=config.block_size)
         )
-        return cls(config, target, coordinator)
+        engine = cls(config, target, None)
+        engine.coordinator = Coordinator(
+            target.model, drafter, config.budget, static_shapes=config.static_shapes, decode=engine.decode
+        )
+        return engine
 
-    def chat_prompt(self, user_message: str) -> list[int]:
-        """One user message rendered with the model's own chat template."""
+    @property
+    def context_length(self) -> int:
+        return self.target.model.config.max_position_embeddings
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        eos = self.target.tokenizer.eos_token_id
+        return (eos,) if eos is not None else ()
+
+    def decode(self, ids: list[int]) -> str:
+        return self.target.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        """Messages rendered with the model's own chat template, ready for the assistant's turn."""
         tok = self.target.tokenizer
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": user_message}], tokenize=False, add_generation_prompt=True
-        )
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tok.encode(text, add_special_tokens=False)
 
-    def request(self, user_message: str) -> Request:
-        eos = self.target.tokenizer.eos_token_id
-        return Request(
-            prompt=self.chat_prompt(user_message),
-            max_tokens=self.config.max_tokens,
-            stop=tuple(self.config.stop),
-            eos_token_ids=(eos,) if eos is not None else (),
-        )
+    def encode(self, text: str) -> list[int]:
+        return self.target.tokenizer.encode(text)
 
-    def generate(self, user_messages: list[str]) -> list[Result]:
-        return self.coordinator.generate([self.request(m) for m in user_messages])
+    def request(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        sampling: SamplingParams,
+        stop: tuple[str, ...] = (),
+        budget: Budget | None = None,
+    ) -> Request:
+        return Request(prompt, max_tokens, tuple(stop), self.eos_token_ids, sampling, budget)
+
+    def generate(self, user_messages: list[str], config: GenerateConfig) -> list[Result]:
+        """`ddtree generate`: each message is one user turn."""
+        requests = [
+            self.request(self.render_chat([{"role": "user", "content": m}]), config.max_tokens, config.sampling, tuple(config.stop))
+            for m in user_messages
+        ]
+        return self.coordinator.generate(requests)

@@ -155,8 +155,10 @@ class Walk:
 
 
 def greedy_walk(tree: Tree, target_tokens: torch.Tensor) -> Walk:
-    """target_tokens [N]: the target's argmax at each node. From the root, follow the child whose
-    token equals the target's choice at the current node; stop when none does.
+    """target_tokens [N]: the target's choice at each node -- its argmax when greedy, or its
+    seeded draw for the position after the node when sampling (which makes this the sampled
+    walk too). From the root, follow the child whose token equals the target's choice at the
+    current node; stop when none does; the choice there is the bonus.
 
     Example: tokens [7, 0, 1, 1], parents [-1, 0, 1, 0], target_tokens [0, 5, 9, 9]
     -> at root the target says 0 = node 1's token -> at node 1 it says 5, no child holds 5

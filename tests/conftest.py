@@ -11,10 +11,10 @@ from ddtree.workers.loading import load_target_weights
 FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
 
 
-def make_hf_model(family: str, vocab: int = 97, layers: int = 3, seed: int = 0, **overrides):
+def make_hf_model(family: str, vocab: int = 97, layers: int = 3, seed: int = 0, logit_scale: float = 20.0, **overrides):
     """A tiny random Hugging Face model in float64 (the reference implementation)."""
     config_cls, model_cls = FAMILIES[family]
-    config = config_cls(
+    fields = dict(
         vocab_size=vocab,
         hidden_size=32,
         intermediate_size=64,
@@ -24,12 +24,12 @@ def make_hf_model(family: str, vocab: int = 97, layers: int = 3, seed: int = 0, 
         head_dim=8,
         max_position_embeddings=512,
         tie_word_embeddings=False,
-        **overrides,
     )
+    config = config_cls(**{**fields, **overrides})
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float64).eval()
     with torch.no_grad():  # sharper logits than the default init, so greedy text varies
-        model.lm_head.weight.mul_(20.0)
+        model.lm_head.weight.mul_(logit_scale)
     return model
 
 

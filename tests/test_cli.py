@@ -36,7 +36,8 @@ def test_generate_json_lines_and_budget_invariance():
     [
         (["--budget", "-3"], "budget must be >= 0"),
         (["--budget", "wide"], "non-negative integer or 'chain'"),
-        (["--temperature", "0.7"], "not implemented yet"),
+        (["--temperature", "-0.5"], "--temperature: Input should be greater than or equal to 0"),
+        (["--top-p", "1.5"], "--top-p: Input should be less than or equal to 1"),
         (["--max-tokens", "0"], "max-tokens"),
     ],
 )

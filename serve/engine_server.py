@@ -1,0 +1,195 @@
+"""The engine deployment: one replica = one model instance (target + drafter + Coordinator).
+
+Requests arrive as plain dicts from the ingress (already checked against the OpenAI schema);
+the replica renders and tokenizes them, checks them against the context, and streams events:
+
+    {"type": "start", "prompt_tokens": int, "seed": int | None}
+    {"type": "delta", "text": str, "tokens": [int]}          (zero or more)
+    {"type": "end", "finish_reason": str, "usage": {...}}
+or a single {"type": "error", "status": 4xx, "message": str, "param": str | None}.
+
+Engine steps (the prefill, each speculative round) run on one worker thread, so concurrent
+requests interleave round by round and the event loop stays free for health checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator
+
+from ..config import SamplingParams, parse_budget
+from ..engine import Engine
+from .config import ServeConfig
+from .metrics import EngineMetrics
+
+logger = logging.getLogger("ray.serve")
+
+
+class RequestError(ValueError):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+class TextDeltas:
+    """Turns the growing token list into text deltas that are final: it holds back text that
+    could still become the start of a stop string, and an incomplete UTF-8 character."""
+
+    def __init__(self, decode, stop: tuple[str, ...]):
+        self.decode, self.sent = decode, 0
+        self.holdback = max((len(s) for s in stop), default=1) - 1
+
+    def push(self, tokens: list[int]) -> str:
+        text = self.decode(tokens)
+        end = len(text) - self.holdback
+        while end > self.sent and text[end - 1] == "\ufffd":
+            end -= 1
+        return self._emit(text, end)
+
+    def finish(self, final_text: str) -> str:
+        return self._emit(final_text, len(final_text))
+
+    def _emit(self, text: str, end: int) -> str:
+        if end <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent : end], end
+        return delta
+
+
+class EngineServer:
+    def __init__(self, config: dict):
+        self.config = ServeConfig.model_validate(config)
+        started = time.perf_counter()
+        self.engine = Engine.from_config(self.config)
+        self.created = int(time.time())
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddtree-engine")
+        self.metrics = EngineMetrics(self.config.served_name)
+        logger.info(
+            "ddtree engine ready: %s, budget %s, in %.1f s",
+            self.config.served_name, self.config.budget, time.perf_counter() - started,
+        )
+
+    def model_info(self) -> dict:
+        return {
+            "id": self.config.served_name,
+            "created": self.created,
+            "context_length": self.engine.context_length,
+            "budget": self.config.budget,
+        }
+
+    # --- request preparation ----------------------------------------------------------------
+
+    def prepare(self, body: dict):
+        """body: {"kind": "chat" | "completion", "messages" | "prompt", "max_tokens",
+        "temperature", "top_p", "top_k", "min_p", "seed", "stop", "budget"} -> a Request."""
+        if body["kind"] == "chat":
+            prompt = self.engine.render_chat(body["messages"])
+            where = "messages"
+        else:
+            prompt = self.engine.encode(body["prompt"])
+            where = "prompt"
+        if not prompt:
+            raise RequestError("the prompt is empty", where)
+        context = self.engine.context_length
+        room = context - len(prompt)
+        if room < 1:
+            raise RequestError(
+                f"the prompt has {len(prompt)} tokens; this model's context holds {context}", where
+            )
+        max_tokens = body.get("max_tokens")
+        if max_tokens is None:
+            max_tokens = min(self.config.default_max_tokens, room)
+        elif max_tokens > room:
+            raise RequestError(
+                f"the prompt ({len(prompt)} tokens) plus max_tokens ({max_tokens}) exceeds this "
+                f"model's context of {context} tokens", "max_tokens",
+            )
+        temperature = body.get("temperature")
+        sampling = SamplingParams(
+            temperature=1.0 if temperature is None else temperature,
+            top_p=1.0 if body.get("top_p") is None else body["top_p"],
+            top_k=body.get("top_k") or 0,
+            min_p=body.get("min_p") or 0.0,
+            seed=body.get("seed"),
+        )
+        if sampling.temperature > 0 and sampling.top_k != 1 and sampling.seed is None:
+            sampling = sampling.model_copy(update={"seed": secrets.randbits(63)})
+        budget = body.get("budget")
+        if budget is not None:
+            try:
+                budget = self.engine.coordinator.check_budget(parse_budget(budget))
+            except ValueError as err:
+                raise RequestError(str(err), "speculation.budget") from None
+        return self.engine.request(prompt, max_tokens, sampling, tuple(body.get("stop") or ()), budget)
+
+    # --- streaming ---------------------------------------------------------------------------
+
+    async def stream(self, body: dict) -> AsyncIterator[dict]:
+        arrived = time.perf_counter()
+        self.metrics.queued(+1)
+        started = False
+        try:
+            try:
+                request = self.prepare(body)
+            except RequestError as err:
+                self.metrics.error(err.status)
+                yield {"type": "error", "status": err.status, "message": str(err), "param": err.param}
+                return
+            yield {"type": "start", "prompt_tokens": len(request.prompt), "seed": request.sampling.seed if request.sampling.temperature > 0 else None}
+            steps = self.engine.coordinator.stream(request)
+            deltas = TextDeltas(self.engine.decode, request.stop)
+            loop = asyncio.get_running_loop()
+            tokens: list[int] = []
+            last = arrived
+            while True:
+                update = await loop.run_in_executor(self.worker, next, steps, None)
+                if update is None:
+                    break
+                now = time.perf_counter()
+                if not started:
+                    started = True
+                    self.metrics.queued(-1)
+                    self.metrics.running(+1)
+                    self.metrics.first_token(now - arrived)
+                elif update.new_tokens:
+                    self.metrics.inter_token(now - last, len(update.new_tokens))
+                last = now
+                if update.round is not None:
+                    self.metrics.round(update.round)
+                tokens.extend(update.new_tokens)
+                self.metrics.output_tokens(len(update.new_tokens))
+                if update.result is not None:
+                    text = deltas.finish(update.result.text or "")
+                else:
+                    text = deltas.push(tokens)
+                if text or update.new_tokens:
+                    yield {"type": "delta", "text": text, "tokens": update.new_tokens}
+                if update.result is not None:
+                    yield {"type": "end", "finish_reason": update.result.finish_reason,
+                           "usage": self.usage(request, update.result)}
+        finally:
+            if started:
+                self.metrics.running(-1)
+            else:
+                self.metrics.queued(-1)
+
+    def usage(self, request, result) -> dict:
+        accepted = sum(r.accepted for r in result.rounds)
+        drafted = sum(r.tree_size - 1 for r in result.rounds)
+        budget = request.budget if request.budget is not None else self.config.budget
+        return {
+            "prompt_tokens": len(request.prompt),
+            "completion_tokens": len(result.tokens),
+            "total_tokens": len(request.prompt) + len(result.tokens),
+            "speculation": {
+                "budget": budget,
+                "rounds": len(result.rounds),
+                "drafted_tokens": drafted,
+                "accepted_tokens": accepted,
+                "tau": round(result.tau, 4),
+            },
+        }

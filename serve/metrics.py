@@ -1,0 +1,85 @@
+"""The engine's metrics, through `ray.serve.metrics` (exported on Ray's Prometheus endpoint with
+Ray's `ray_` prefix, e.g. `ray_ddtree_accepted_tokens_total`)."""
+
+from __future__ import annotations
+
+from ray.serve import metrics
+
+LATENCY_BOUNDARIES_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+ACCEPTED_BOUNDARIES = [0.5 + i for i in range(32)]  # bucket i holds an accepted length of i
+PHASES = ("draft", "tree", "verify", "commit")
+
+
+class EngineMetrics:
+    def __init__(self, model: str):
+        tags = {"model": model}
+
+        def tagged(metric):
+            metric.set_default_tags(dict(tags))  # Ray adds its own tags to the dict it gets
+            return metric
+
+        self.drafted = tagged(metrics.Counter(
+            "ddtree_drafted_tokens", description="Drafted tree nodes verified, by draft depth.",
+            tag_keys=("model", "depth")))
+        self.accepted = tagged(metrics.Counter(
+            "ddtree_accepted_tokens", description="Drafted tokens the target accepted, by draft depth.",
+            tag_keys=("model", "depth")))
+        self.emitted = tagged(metrics.Counter(
+            "ddtree_output_tokens", description="Completion tokens emitted (accepted + bonus).",
+            tag_keys=("model",)))
+        self.rounds = tagged(metrics.Counter(
+            "ddtree_rounds", description="Speculative rounds run.", tag_keys=("model",)))
+        self.accepted_length = tagged(metrics.Histogram(
+            "ddtree_accepted_length", description="Drafted tokens accepted per round.",
+            boundaries=ACCEPTED_BOUNDARIES, tag_keys=("model",)))
+        self.ttft = tagged(metrics.Histogram(
+            "ddtree_time_to_first_token_seconds", description="Arrival to first token, seconds.",
+            boundaries=LATENCY_BOUNDARIES_S, tag_keys=("model",)))
+        self.itl = tagged(metrics.Histogram(
+            "ddtree_inter_token_latency_seconds", description="Time between output tokens, seconds.",
+            boundaries=LATENCY_BOUNDARIES_S, tag_keys=("model",)))
+        self.phase = tagged(metrics.Histogram(
+            "ddtree_round_phase_seconds", description="Round time by phase (draft, tree, verify, commit), seconds.",
+            boundaries=LATENCY_BOUNDARIES_S, tag_keys=("model", "phase")))
+        self.running_gauge = tagged(metrics.Gauge(
+            "ddtree_requests_running", description="Requests generating on this replica.", tag_keys=("model",)))
+        self.queued_gauge = tagged(metrics.Gauge(
+            "ddtree_requests_queued", description="Requests waiting for their first step.", tag_keys=("model",)))
+        self.errors = tagged(metrics.Counter(
+            "ddtree_request_errors", description="Requests refused by the engine, by HTTP status.",
+            tag_keys=("model", "status")))
+        self._running = self._queued = 0
+        self.running_gauge.set(0)
+        self.queued_gauge.set(0)
+
+    def running(self, delta: int) -> None:
+        self._running += delta
+        self.running_gauge.set(self._running)
+
+    def queued(self, delta: int) -> None:
+        self._queued += delta
+        self.queued_gauge.set(self._queued)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def inter_token(self, seconds: float, tokens: int) -> None:
+        for _ in range(tokens):
+            self.itl.observe(seconds / tokens)
+
+    def output_tokens(self, n: int) -> None:
+        if n:
+            self.emitted.inc(n)
+
+    def error(self, status: int) -> None:
+        self.errors.inc(tags={"status": str(status)})
+
+    def round(self, stats) -> None:
+        self.rounds.inc()
+        self.accepted_length.observe(stats.accepted)
+        for depth, count in enumerate(stats.drafted_per_depth, start=1):
+            self.drafted.inc(count, tags={"depth": str(depth)})
+            if depth <= stats.accepted:
+                self.accepted.inc(tags={"depth": str(depth)})
+        for phase in PHASES:
+            self.phase.observe(getattr(stats, f"{phase}_s"), tags={"phase": phase})

@@ -1,0 +1,217 @@
+"""Sampling at temperature > 0: seeded draws make speculation lossless token for token, and
+unseeded draws follow the target's distribution."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from ddtree.config import SamplingParams
+from ddtree.kernels import sampling
+from ddtree.kernels.sampling import inverse_cdf, processed_probs, uniform
+from ddtree.workers.coordinator import Coordinator, Request
+from ddtree.workers.drafter import DFlashDrafter
+from ddtree.workers.loading import load_target_weights
+
+from .conftest import make_hf_model
+from .drafters import OracleDrafter
+
+# --- the pieces -----------------------------------------------------------------------------
+
+
+def test_uniform_is_a_pure_function_of_seed_and_position():
+    draws = [uniform(7, p) for p in range(20000)]
+    assert draws == [uniform(7, p) for p in range(20000)]
+    assert all(0.0 <= u < 1.0 for u in draws)
+    assert uniform(7, 3) != uniform(8, 3) and uniform(7, 3) != uniform(7, 4)
+    # roughly uniform: each decile holds 10% +- 1%
+    counts = torch.histc(torch.tensor(draws), bins=10, min=0, max=1)
+    assert ((counts / len(draws) - 0.1).abs() < 0.01).all(), counts
+
+
+def test_processed_probs_filters():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0]])
+    base = torch.softmax(logits.double() / 0.5, -1)
+    torch.testing.assert_close(processed_probs(logits, SamplingParams(temperature=0.5)), base)
+    for off in (0, -1):
+        torch.testing.assert_close(processed_probs(logits, SamplingParams(temperature=0.5, top_k=off)), base)
+    top2 = processed_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert (top2[0] > 0).tolist() == [True, False, False, False, True]
+    # top_p: the docstring's example
+    p = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    torch.testing.assert_close(
+        processed_probs(p, SamplingParams(temperature=1.0, top_p=0.7)),
+        torch.tensor([[0.625, 0.375, 0.0, 0.0]], dtype=torch.float64),
+    )
+    assert processed_probs(p, SamplingParams(temperature=1.0, top_p=1e-9))[0].tolist() == [1.0, 0, 0, 0]
+    torch.testing.assert_close(processed_probs(p, SamplingParams(temperature=1.0, top_p=1.0)), p.exp().double())
+    # min_p 0.2: keep tokens with at least 0.2 x 0.5 = 0.1
+    kept = processed_probs(p, SamplingParams(temperature=1.0, min_p=0.2))
+    assert (kept[0] > 0).tolist() == [True, True, True, False]
+
+
+def test_inverse_cdf_never_picks_a_zero_probability_token():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0]] * 4, dtype=torch.float64)
+    u = torch.tensor([0.0, 0.2499, 0.25, 1 - 2**-53], dtype=torch.float64)
+    assert inverse_cdf(probs, u).tolist() == [1, 1, 3, 3]
+
+
+# --- lossless, seeded -----------------------------------------------------------------------
+
+SETTINGS = {
+    "T1": SamplingParams(temperature=1.0),
+    "filtered": SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.02),
+}
+BUDGETS = [0, "chain", 4, 16, 33]
+MAX_TOKENS = 24
+
+
+@torch.no_grad()
+def plain_seeded_sampling(hf, prompt, params: SamplingParams, n: int) -> list[int]:
+    """The target alone (transformers, full recompute): the token at position t is the inverse-CDF
+    draw of u(seed, t) from the processed distribution there."""
+    ids = list(prompt)
+    for _ in range(n):
+        logits = hf(torch.tensor([ids])).logits[0, -1:]
+        u = torch.tensor([uniform(params.seed, len(ids))], dtype=torch.float64)
+        ids.append(int(inverse_cdf(processed_probs(logits, params), u)[0]))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def sampled_cases(tiny_checkpoint):
+    cache = {}
+
+    def get(vocab, block, setting, seed):
+        key = (vocab, setting, seed)
+        if key not in cache:
+            hf, target, _ = tiny_checkpoint("llama", vocab)
+            prompt = torch.randint(0, vocab, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
+            params = SETTINGS[setting].model_copy(update={"seed": 1000 + seed})
+            cache[key] = (hf, target, prompt, params, plain_seeded_sampling(hf, prompt, params, MAX_TOKENS + 2 * block))
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("vocab,block", [(97, 8), (4, 4)], ids=["vocab97", "vocab4-dry-heap"])
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("seed", range(10))
+def test_seeded_output_equals_plain_seeded_sampling(sampled_cases, vocab, block, setting, seed):
+    """20 seeds (10 per setting) x budgets {0, chain, 4, 16, 33} x drafters {perfect, noisy,
+    untrained}: the tokens are plain seeded sampling's tokens."""
+    hf, target, prompt, params, reference = sampled_cases(vocab, block, setting, seed)
+    drafters = {
+        "perfect": OracleDrafter(prompt + reference, vocab, block, accuracy=1.0),
+        "noisy": OracleDrafter(prompt + reference, vocab, block, accuracy=0.5, seed=seed),
+        "untrained": DFlashDrafter.untrained(target, block_size=block, seed=seed),
+    }
+    request = Request(prompt, MAX_TOKENS, sampling=params)
+    for (name, drafter), budget in itertools.product(drafters.items(), BUDGETS):
+        result = Coordinator(target, drafter, budget).generate([request])[0]
+        assert result.tokens == reference[:MAX_TOKENS], (name, budget)
+        assert result.seed == params.seed
+        if name == "perfect" and budget not in (0, 4):
+            assert all(r.accepted == block - 1 for r in result.rounds[:-1]), "whole blocks accepted"
+
+
+def test_unseeded_request_reports_a_seed_that_reproduces_it(tiny_checkpoint):
+    _, target, _ = tiny_checkpoint("llama")
+    drafter = DFlashDrafter.untrained(target, block_size=4)
+    request = Request([1, 2, 3], 20, sampling=SamplingParams(temperature=1.0))
+    first = Coordinator(target, drafter, 16).generate([request])[0]
+    assert first.seed is not None
+    again = Request([1, 2, 3], 20, sampling=SamplingParams(temperature=1.0, seed=first.seed))
+    assert Coordinator(target).generate([again])[0].tokens == first.tokens
+    other = Coordinator(target, drafter, 16).generate([request])[0]
+    assert other.seed != first.seed
+
+
+def test_temperature_zero_ignores_the_seed_and_top_k_1_is_greedy(tiny_checkpoint):
+    _, target, _ = tiny_checkpoint("llama")
+    drafter = DFlashDrafter.untrained(target, block_size=4)
+    greedy = Coordinator(target).generate([Request([5, 6, 7], 30)])[0].tokens
+    for params in (
+        SamplingParams(temperature=0.0, seed=1),
+        SamplingParams(temperature=0.0, seed=2),
+        SamplingParams(temperature=1.3, top_k=1, seed=3),
+        SamplingParams(temperature=1.0, top_p=1e-9, seed=4),
+    ):
+        for budget in (0, 16):
+            result = Coordinator(target, drafter, budget).generate([Request([5, 6, 7], 30, sampling=params)])[0]
+            assert result.tokens == greedy, params
+    assert Coordinator(target).generate([Request([5, 6, 7], 3, sampling=SamplingParams(seed=9))])[0].seed is None
+
+
+# --- distribution ---------------------------------------------------------------------------
+
+VOCAB, DRAWS, FIRST = 6, 20_000, 3
+
+
+@pytest.fixture(scope="module")
+def small_vocab_target(tmp_path_factory):
+    hf = make_hf_model("llama", vocab=VOCAB, layers=1, seed=3, logit_scale=30.0)
+    directory = tmp_path_factory.mktemp("vocab6")
+    hf.save_pretrained(directory)
+    return hf, load_target_weights(directory, torch.float64)
+
+
+@torch.no_grad()
+def exact_first_tokens(hf, prompt) -> dict[tuple[int, ...], float]:
+    """P(first three tokens) under the target, by enumeration with transformers' model."""
+    out = {}
+    for seq in itertools.product(range(VOCAB), repeat=FIRST):
+        ids = torch.tensor([prompt + list(seq)])
+        logp = torch.log_softmax(hf(ids).logits[0].double(), -1)
+        out[seq] = math.exp(sum(float(logp[len(prompt) - 1 + i, t]) for i, t in enumerate(seq)))
+    return out
+
+
+def chi_square_p(counts: dict, expected: dict, total: int) -> float:
+    """Pearson's test; bins with fewer than 5 expected draws are pooled."""
+    stat, pooled_obs, pooled_exp, bins = 0.0, 0.0, 0.0, 0
+    for key, p in expected.items():
+        e, o = p * total, counts.get(key, 0)
+        if e < 5:
+            pooled_obs, pooled_exp = pooled_obs + o, pooled_exp + e
+            continue
+        stat += (o - e) ** 2 / e
+        bins += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        bins += 1
+    dof = bins - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def empirical_first_tokens(target, budget: int) -> dict:
+    drafter = DFlashDrafter.untrained(target, block_size=4, seed=1) if budget else None
+    coordinator = Coordinator(target, drafter, budget)
+    request = Request([1, 4, 2], FIRST, sampling=SamplingParams(temperature=1.0))
+    counts: dict = {}
+    for _ in range(DRAWS):
+        key = tuple(coordinator.generate([request])[0].tokens)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("budget", [0, 16])
+def test_unseeded_sampling_follows_the_target_distribution(small_vocab_target, budget):
+    hf, target = small_vocab_target
+    expected = exact_first_tokens(hf, [1, 4, 2])
+    p = chi_square_p(empirical_first_tokens(target, budget), expected, DRAWS)
+    assert p > 1e-3, f"chi-square p = {p:.2e}"
+
+
+def test_the_distribution_check_catches_a_small_bias(small_vocab_target, monkeypatch):
+    """The same check, with draws skewed slightly towards low token ids (u -> u ** 1.1), fails:
+    the chi-square test has the power to see a sampler bug of that size."""
+    hf, target = small_vocab_target
+    fair = sampling.uniform
+    monkeypatch.setattr(sampling, "uniform", lambda seed, pos: fair(seed, pos) ** 1.1)
+    expected = exact_first_tokens(hf, [1, 4, 2])
+    p = chi_square_p(empirical_first_tokens(target, 0), expected, DRAWS)
+    assert p < 1e-3, f"a biased sampler went unnoticed (p = {p:.2e})"

@@ -1,0 +1,265 @@
+"""The real Serve app on 127.0.0.1, driven by the official `openai` client.
+
+A local Ray cluster, the ddtree application built by `build_app` from a ServeConfig, and a tiny
+random llama that uses SmolLM2's tokenizer and chat template (so the chat path is the real one).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+import torch
+import yaml
+from ray import serve
+
+from ddtree.config import ModelPairConfig, SamplingParams
+from ddtree.engine import Engine
+from ddtree.serve.app import build_app
+from ddtree.serve.config import ServeConfig
+from ddtree.workers.loading import default_target_path, gguf_to_hf_dir
+
+from .conftest import make_hf_model
+
+MODEL = "tiny-ddtree"
+CONTEXT = 256
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory):
+    """A tiny random llama with SmolLM2's vocabulary, tokenizer and chat template."""
+    directory = tmp_path_factory.mktemp("tiny-chat")
+    hf = make_hf_model("llama", vocab=49152, layers=2, max_position_embeddings=CONTEXT).to(torch.float32)
+    hf.save_pretrained(directory)
+    smol = gguf_to_hf_dir(default_target_path())
+    for f in smol.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, directory / f.name)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def accepting_model(tiny_chat_model, tmp_path_factory):
+    """The tiny chat model with a zero LM head: every logit is 0, so the target's argmax is token
+    0 and the (untrained) drafter's stable top-1 is token 0 too: every chain round accepts the
+    whole block. Degenerate text, but real acceptance for the metrics to count."""
+    from safetensors.torch import load_file, save_file
+
+    directory = tmp_path_factory.mktemp("accepting")
+    for f in tiny_chat_model.iterdir():
+        shutil.copy(f, directory / f.name)
+    state = load_file(str(directory / "model.safetensors"))
+    state["lm_head.weight"].zero_()
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(tiny_chat_model, accepting_model):
+    http_port, metrics_port = free_port(), free_port()
+    ray.init(num_cpus=2, include_dashboard=False, _metrics_export_port=metrics_port, object_store_memory=200 * 2**20)
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    config = {"model": str(tiny_chat_model), "model_name": MODEL, "budget": 16, "block_size": 4, "engine_num_cpus": 0}
+    serve.run(build_app(config), name="ddtree", route_prefix="/")
+    accepting = {**config, "model": str(accepting_model), "model_name": "accepting"}
+    serve.run(build_app(accepting), name="accepting", route_prefix="/accepting")
+    base = f"http://127.0.0.1:{http_port}"
+    yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "config": config}
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def in_process(tiny_chat_model):
+    return Engine.from_config(ModelPairConfig(model=str(tiny_chat_model), budget=16, block_size=4))
+
+
+CHAT = [{"role": "user", "content": "Tell me about trees."}]
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(server["base"] + "/health").status_code == 200
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+
+
+def test_greedy_chat_equals_the_in_process_engine(client, in_process):
+    reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+    expected = in_process.coordinator.generate(
+        [in_process.request(in_process.render_chat(CHAT), 24, SamplingParams())]
+    )[0]
+    assert reply.choices[0].message.content == expected.text
+    assert reply.choices[0].finish_reason == expected.finish_reason
+    usage = reply.usage.model_dump()
+    assert usage["completion_tokens"] == len(expected.tokens)
+    assert usage["prompt_tokens"] == len(in_process.render_chat(CHAT))
+    spec = usage["speculation"]
+    assert spec["budget"] == 16 and spec["rounds"] == len(expected.rounds)
+    assert spec["tau"] == pytest.approx(expected.tau, abs=1e-3)
+
+
+def test_streaming_chat_equals_non_streaming(client):
+    kwargs = dict(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
+    whole = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [whole.choices[0].finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_sse_wire_format_ends_with_done(server):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 5, "stream": True, "temperature": 0}
+    with httpx.stream("POST", server["base"] + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in r.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    assert json.loads(lines[0][6:])["object"] == "chat.completion.chunk"
+
+
+def test_completions_streaming_and_not(client):
+    whole = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0)
+    assert whole.object == "text_completion" and whole.usage.completion_tokens == 16
+    assert whole.choices[0].finish_reason == "length"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0, stream=True) if c.choices)
+    assert streamed == whole.choices[0].text
+
+
+def test_max_tokens_and_stop_strings(client):
+    kwargs = dict(model=MODEL, messages=CHAT, temperature=0)
+    long = client.chat.completions.create(max_tokens=30, **kwargs)
+    assert long.usage.completion_tokens == 30 and long.choices[0].finish_reason == "length"
+    text = long.choices[0].message.content
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = client.chat.completions.create(max_completion_tokens=30, stop=[stop], **kwargs)
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].message.content == text[: text.index(stop)]
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        max_tokens=30, stop=stop, stream=True, **kwargs) if c.choices)
+    assert streamed == cut.choices[0].message.content, "no part of the stop string is streamed"
+
+
+def test_seed_reproduces_sampled_output(client):
+    kwargs = dict(model=MODEL, messages=CHAT, max_tokens=20, temperature=1.0, top_p=0.95)
+    a = client.chat.completions.create(seed=7, **kwargs)
+    b = client.chat.completions.create(seed=7, **kwargs)
+    c = client.chat.completions.create(seed=8, **kwargs)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert c.choices[0].message.content != a.choices[0].message.content
+    unseeded = client.chat.completions.create(**kwargs).model_dump()
+    again = client.chat.completions.create(seed=unseeded["seed"], **kwargs)
+    assert again.choices[0].message.content == unseeded["choices"][0]["message"]["content"]
+
+
+def test_speculation_override_per_request(client):
+    kwargs = dict(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
+    plain = client.chat.completions.create(extra_body={"speculation": {"budget": 0}}, **kwargs)
+    chain = client.chat.completions.create(extra_body={"speculation": {"budget": "chain"}}, **kwargs)
+    default = client.chat.completions.create(**kwargs)
+    spec = plain.usage.model_dump()["speculation"]
+    assert spec["budget"] == 0 and spec["tau"] == 1.0 and spec["drafted_tokens"] == 0
+    assert chain.usage.model_dump()["speculation"]["budget"] == "chain"
+    assert plain.choices[0].message.content == chain.choices[0].message.content == default.choices[0].message.content
+
+
+BAD_REQUESTS = [
+    ({"temperature": -0.5}, 400, "temperature"),
+    ({"temperature": "hot"}, 400, "temperature"),
+    ({"top_p": 0}, 400, "top_p"),
+    ({"top_p": 1.5}, 400, "top_p"),
+    ({"messages": []}, 400, "messages"),
+    ({"n": 2}, 400, "n"),
+    ({"max_tokens": 0}, 400, "max_tokens"),
+    ({"max_tokens": CONTEXT}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "tree " * CONTEXT}]}, 400, "messages"),
+    ({"speculation": {"budget": -1}}, 400, "speculation.budget"),
+    ({"model": "gpt-4o"}, 404, "model"),
+]
+
+
+@pytest.mark.parametrize("change,status,param", BAD_REQUESTS, ids=[p for _, _, p in BAD_REQUESTS])
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, change, status, param):
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 4, **change}
+    r = httpx.post(server["base"] + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"] and error["param"] == param
+    assert "Traceback" not in r.text
+    standard = {k: v for k, v in body.items() if k != "speculation"}
+    extra = {"speculation": body["speculation"]} if "speculation" in body else None
+    with pytest.raises(openai.APIStatusError) as raised:  # the official client sees the same
+        client.chat.completions.create(**standard, extra_body=extra)
+    assert raised.value.status_code == status
+    ok = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=3, temperature=0)
+    assert ok.usage.completion_tokens == 3
+
+
+def test_invalid_json_body(server):
+    r = httpx.post(server["base"] + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["message"]
+
+
+def test_metrics_reach_prometheus_endpoint(server, client):
+    client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    accepting = openai.OpenAI(base_url=server["base"] + "/accepting/v1", api_key="unused", max_retries=0)
+    reply = accepting.chat.completions.create(
+        model="accepting", messages=CHAT, max_tokens=13, temperature=0, extra_body={"speculation": {"budget": "chain"}})
+    assert reply.usage.model_dump()["speculation"]["tau"] == 4.0, "the whole block of 4 every round"
+    wanted = [
+        "ray_ddtree_drafted_tokens_total", "ray_ddtree_accepted_tokens_total",
+        "ray_ddtree_accepted_length_bucket", "ray_ddtree_time_to_first_token_seconds_bucket",
+        "ray_ddtree_inter_token_latency_seconds_bucket", "ray_ddtree_round_phase_seconds_bucket",
+        "ray_ddtree_requests_running", "ray_ddtree_requests_queued", "ray_ddtree_output_tokens_total",
+    ]
+    deadline, text = time.time() + 90, ""
+    while time.time() < deadline:
+        text = httpx.get(server["metrics"], timeout=10).text
+        if all(name in text for name in wanted):
+            break
+        time.sleep(3)
+    missing = [name for name in wanted if name not in text]
+    exported = sorted({line.split("{")[0] for line in text.splitlines() if "ddtree" in line and not line.startswith("#")})
+    assert not missing, f"not exported: {missing}; exported: {exported}"
+    assert 'depth="1"' in text and 'phase="verify"' in text
+
+
+def test_serve_config_file_builds_the_app():
+    """cluster/serve-config.yaml: its args are a valid ServeConfig and the builder accepts them."""
+    from pathlib import Path
+
+    from ray.serve.schema import ServeDeploySchema
+
+    raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "cluster" / "serve-config.yaml").read_text())
+    schema = ServeDeploySchema.model_validate(raw) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(raw)
+    app = schema.applications[0]
+    assert app.import_path == "ddtree.serve.app:build_app"
+    ServeConfig.model_validate(app.args)
+    assert build_app(app.args) is not None
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="tp > 1 needs the distributed engine"):
+        ServeConfig(tp=2)
+    with pytest.raises(ValueError, match="min_replicas"):
+        ServeConfig(autoscaling={"min_replicas": 3, "max_replicas": 2})
