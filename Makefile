@@ -1,4 +1,4 @@
-# `make run` and `make test` work on a fresh machine: they create (or reuse) .venv and install
+# `make serve` and `make test` work on a fresh machine: they create (or reuse) .venv and install
 # everything the project needs from its own files.
 PYTHON ?= python3
 VENV ?= .venv
