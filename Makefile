@@ -9,7 +9,9 @@ PROMPT ?= Explain speculative decoding in two sentences.
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: install serve generate test test-fast clean
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: install prometheus serve generate test test-fast clean
 
 install: $(STAMP)
 
@@ -30,7 +32,12 @@ serve: install
 generate: install
 	$(BIN)/ddtree generate --prompt "$(PROMPT)"
 
-test: install
+# Debian's Prometheus, which the observability tests scrape the real app with.
+prometheus:
+	@command -v prometheus >/dev/null || { $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends prometheus; }
+
+test: install prometheus
 	$(BIN)/python -m pytest -q --durations=10
 
 # Everything but the minutes-long SmolLM2 checks.

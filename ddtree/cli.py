@@ -111,6 +111,29 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dashboards(args: argparse.Namespace) -> int:
+    from .dashboards.ddtree_dashboard import dashboard_json
+
+    if args.action == "export":
+        text = json.dumps(dashboard_json(), indent=2)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+        else:
+            print(text)
+        return 0
+    from .dashboards.grafana import GrafanaAuth, push
+
+    try:
+        auth = GrafanaAuth.from_env(args.grafana_url, args.token, args.user, args.password)
+    except ValueError as err:
+        print(f"ddtree dashboards push: {err}", file=sys.stderr)
+        return 2
+    answer = push(auth, args.prometheus_url, args.folder_uid)
+    print(f"dashboard {answer.get('uid')} at {auth.url.rstrip('/')}{answer.get('url', '')}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ddtree", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -139,6 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--budget", help="override the config's tree budget")
     srv.add_argument("--metrics-port", type=int, default=8080, help="Ray's Prometheus endpoint")
     srv.set_defaults(func=_serve)
+
+    dash = sub.add_parser("dashboards", help="export or push the Grafana dashboard")
+    dash.add_argument("action", choices=["export", "push"])
+    dash.add_argument("--out", help="export: write the JSON here (default: stdout)")
+    dash.add_argument("--grafana-url", help="push: Grafana's URL (or GRAFANA_URL)")
+    dash.add_argument("--token", help="push: service-account token (or GRAFANA_TOKEN)")
+    dash.add_argument("--user", help="push: basic-auth user (or GRAFANA_USER)")
+    dash.add_argument("--password", help="push: basic-auth password (or GRAFANA_PASSWORD)")
+    dash.add_argument("--prometheus-url", default="http://127.0.0.1:9090",
+                      help="push: the Prometheus that scrapes Ray, as Grafana reaches it")
+    dash.add_argument("--folder-uid", help="push: Grafana folder for the dashboard")
+    dash.set_defaults(func=_dashboards)
     args = parser.parse_args(argv)
     return args.func(args)
 

@@ -7,79 +7,19 @@ random llama that uses SmolLM2's tokenizer and chat template (so the chat path i
 from __future__ import annotations
 
 import json
-import shutil
-import socket
 import time
 
 import httpx
 import openai
 import pytest
-import ray
-import torch
 import yaml
-from ray import serve
 
 from ddtree.config import ModelPairConfig, SamplingParams
 from ddtree.engine import Engine
 from ddtree.serve.app import build_app
 from ddtree.serve.config import ServeConfig
-from ddtree.workers.loading import default_target_path, gguf_to_hf_dir
 
-from .conftest import make_hf_model
-
-MODEL = "tiny-ddtree"
-CONTEXT = 256
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def tiny_chat_model(tmp_path_factory):
-    """A tiny random llama with SmolLM2's vocabulary, tokenizer and chat template."""
-    directory = tmp_path_factory.mktemp("tiny-chat")
-    hf = make_hf_model("llama", vocab=49152, layers=2, max_position_embeddings=CONTEXT).to(torch.float32)
-    hf.save_pretrained(directory)
-    smol = gguf_to_hf_dir(default_target_path())
-    for f in smol.iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            shutil.copy(f, directory / f.name)
-    return directory
-
-
-@pytest.fixture(scope="module")
-def accepting_model(tiny_chat_model, tmp_path_factory):
-    """The tiny chat model with a zero LM head: every logit is 0, so the target's argmax is token
-    0 and the (untrained) drafter's stable top-1 is token 0 too: every chain round accepts the
-    whole block. Degenerate text, but real acceptance for the metrics to count."""
-    from safetensors.torch import load_file, save_file
-
-    directory = tmp_path_factory.mktemp("accepting")
-    for f in tiny_chat_model.iterdir():
-        shutil.copy(f, directory / f.name)
-    state = load_file(str(directory / "model.safetensors"))
-    state["lm_head.weight"].zero_()
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
-    return directory
-
-
-@pytest.fixture(scope="module")
-def server(tiny_chat_model, accepting_model):
-    http_port, metrics_port = free_port(), free_port()
-    ray.init(num_cpus=2, include_dashboard=False, _metrics_export_port=metrics_port, object_store_memory=200 * 2**20)
-    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-    config = {"model": str(tiny_chat_model), "model_name": MODEL, "budget": 16, "block_size": 4, "engine_num_cpus": 0}
-    serve.run(build_app(config), name="ddtree", route_prefix="/")
-    accepting = {**config, "model": str(accepting_model), "model_name": "accepting"}
-    serve.run(build_app(accepting), name="accepting", route_prefix="/accepting")
-    base = f"http://127.0.0.1:{http_port}"
-    yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "config": config}
-    serve.shutdown()
-    ray.shutdown()
-
+from .conftest import CHAT_SAMPLE, CONTEXT, MODEL
 
 @pytest.fixture(scope="module")
 def client(server):
@@ -91,7 +31,7 @@ def in_process(tiny_chat_model):
     return Engine.from_config(ModelPairConfig(model=str(tiny_chat_model), budget=16, block_size=4))
 
 
-CHAT = [{"role": "user", "content": "Tell me about trees."}]
+CHAT = CHAT_SAMPLE
 
 
 def test_health_and_models(server, client):

@@ -1,0 +1,1 @@
+"""Grafana dashboards declared as code, and their provisioning."""

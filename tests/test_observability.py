@@ -1,0 +1,223 @@
+"""Dashboards, Prometheus and deployment manifests.
+
+A real Prometheus (Debian's package, installed by `make test`) scrapes the real Serve app on
+127.0.0.1 while a short load runs; every PromQL expression of the dashboard must then return at
+least one series through Prometheus's HTTP API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import yaml
+
+from ddtree.dashboards.ddtree_dashboard import (
+    DASHBOARD_UID,
+    DATASOURCE_UID,
+    PANELS,
+    build_dashboard,
+    dashboard_json,
+    promql_expressions,
+)
+from ddtree.dashboards.grafana import GrafanaAuth, dashboard_payload, datasource_payload
+from ddtree.serve.config import ServeConfig
+
+from .conftest import CHAT_SAMPLE, MODEL, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+CRDS = ROOT.parent / "shared" / "k8s"
+
+
+# --- the dashboard as code ------------------------------------------------------------------
+
+
+def test_every_panel_has_a_unit_and_a_description():
+    model = dashboard_json()
+    assert len(model["panels"]) == len(PANELS) >= 9
+    for panel in model["panels"]:
+        assert panel["description"], panel["title"]
+        assert panel["fieldConfig"]["defaults"]["unit"], panel["title"]
+        assert panel["targets"] and all(t["datasource"]["uid"] == DATASOURCE_UID for t in panel["targets"])
+    names = [v["name"] for v in model["templating"]["list"]]
+    assert names == ["application", "deployment", "replica"]
+
+
+def test_dashboard_round_trips_through_json():
+    """The SDK's own model accepts its JSON back (from_json) and writes the same JSON again."""
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models.dashboard import Dashboard
+
+    first = dashboard_json()
+    again = json.loads(json.dumps(Dashboard.from_json(first), cls=JSONEncoder))
+    assert again == first
+    assert build_dashboard().build().uid == DASHBOARD_UID
+
+
+def test_export_command_writes_the_dashboard(tmp_path):
+    out = tmp_path / "ddtree.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "ddtree.cli", "dashboards", "export", "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(out.read_text()) == dashboard_json()
+
+
+def test_push_requests_are_idempotent_by_uid(monkeypatch):
+    source = datasource_payload("http://prometheus:9090")
+    assert source["uid"] == DATASOURCE_UID and source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
+    payload = dashboard_payload(folder_uid="llm")
+    assert payload["overwrite"] is True and payload["folderUid"] == "llm"
+    assert payload["dashboard"]["uid"] == DASHBOARD_UID and "id" not in payload["dashboard"]
+    auth = GrafanaAuth.from_env(url="http://grafana:3000", token="glsa_x")
+    assert auth.credential() == "glsa_x"
+    assert GrafanaAuth("http://g", user="admin", password="pw").credential() == ("admin", "pw")
+    monkeypatch.delenv("GRAFANA_URL", raising=False)
+    with pytest.raises(ValueError, match="GRAFANA_URL"):
+        GrafanaAuth.from_env()
+
+
+@pytest.mark.skipif(not os.environ.get("GRAFANA_URL"), reason="set GRAFANA_URL (and GRAFANA_TOKEN or GRAFANA_USER/PASSWORD) to push to a real Grafana")
+def test_push_twice_leaves_one_dashboard():
+    from grafana_client import GrafanaApi
+
+    from ddtree.dashboards.grafana import push
+
+    auth = GrafanaAuth.from_env()
+    push(auth, "http://127.0.0.1:9090")
+    push(auth, "http://127.0.0.1:9090")
+    api = GrafanaApi.from_url(auth.url, credential=auth.credential())
+    found = api.search.search_dashboards(query="ddtree")
+    assert [d["uid"] for d in found].count(DASHBOARD_UID) == 1
+
+
+# --- Prometheus scraping the real app ---------------------------------------------------------
+
+
+def grafana_to_promql(expr: str) -> str:
+    """What Grafana sends for a panel or variable: variables -> match-all, $__rate_interval -> 1m,
+    label_values(m, l) -> a query that has series exactly when the variable has values."""
+    expr = expr.replace("$__rate_interval", "1m")
+    expr = re.sub(r"\$(application|deployment|replica)", ".*", expr)
+    match = re.fullmatch(r"label_values\((.*), (\w+)\)", expr)
+    if match:
+        return f"count by ({match.group(2)}) ({match.group(1)})"
+    return expr
+
+
+@pytest.fixture(scope="module")
+def prometheus(server, tmp_path_factory):
+    binary = shutil.which("prometheus")
+    assert binary, "the prometheus binary is missing: `make test` installs Debian's prometheus package"
+    work = tmp_path_factory.mktemp("prometheus")
+    # the shipped config, pointed at a service-discovery file in Ray's own format
+    config = yaml.safe_load((ROOT / "cluster" / "prometheus.yml").read_text())
+    config["global"]["scrape_interval"] = "2s"
+    job = config["scrape_configs"][0]
+    job["file_sd_configs"][0]["files"] = [str(work / "ray_targets.json")]
+    job["file_sd_configs"][0]["refresh_interval"] = "2s"
+    metrics_target = server["metrics"].removeprefix("http://").removesuffix("/metrics")
+    (work / "ray_targets.json").write_text(json.dumps([{"labels": {"job": "ray"}, "targets": [metrics_target]}]))
+    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if httpx.get(url + "/-/ready", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+def short_load(base: str) -> None:
+    client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    for i in range(4):
+        client.chat.completions.create(model=MODEL, messages=CHAT_SAMPLE, max_tokens=8, temperature=0)
+        stream = client.chat.completions.create(model=MODEL, messages=CHAT_SAMPLE, max_tokens=8, stream=True, seed=i)
+        for _ in stream:
+            pass
+    accepting = openai.OpenAI(base_url=base + "/accepting/v1", api_key="unused", max_retries=0)
+    accepting.chat.completions.create(model="accepting", messages=CHAT_SAMPLE, max_tokens=9, temperature=0,
+                                      extra_body={"speculation": {"budget": "chain"}})
+    for _ in range(3):  # errors for the error panel
+        httpx.post(base + "/v1/chat/completions", json={"model": "nope", "messages": CHAT_SAMPLE}, timeout=60)
+
+
+def test_every_dashboard_query_returns_series(server, prometheus):
+    exprs = [grafana_to_promql(e) for e in promql_expressions()]
+    empty = exprs
+    deadline = time.time() + 150
+    while time.time() < deadline and empty:
+        short_load(server["base"])
+        time.sleep(4)
+        empty = []
+        for expr in exprs:
+            answer = httpx.get(prometheus + "/api/v1/query", params={"query": expr}, timeout=30).json()
+            assert answer["status"] == "success", (expr, answer)
+            if not answer["data"]["result"]:
+                empty.append(expr)
+    assert not empty, "queries without a series:\n" + "\n".join(empty)
+
+
+# --- manifests --------------------------------------------------------------------------------
+
+
+def crd_schema(kind: str) -> dict:
+    path = CRDS / f"ray.io_{kind.lower()}s.yaml"
+    crd = yaml.safe_load(path.read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return version["schema"]["openAPIV3Schema"]
+
+
+def manifests():
+    for path in sorted((ROOT / "cluster" / "kuberay").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("apiVersion", "").startswith("ray.io/"):
+                yield path.name, doc
+
+
+@pytest.mark.parametrize("name,doc", list(manifests()), ids=[n for n, _ in manifests()])
+def test_kuberay_manifests_validate_against_the_crds(name, doc):
+    from ray.serve.schema import ServeDeploySchema
+
+    jsonschema.validate(doc, crd_schema(doc["kind"]))
+    if doc["kind"] == "RayService":
+        serve_config = yaml.safe_load(doc["spec"]["serveConfigV2"])
+        schema = ServeDeploySchema.model_validate(serve_config)
+        for app in schema.applications:
+            assert app.import_path == "ddtree.serve.app:build_app"
+            ServeConfig.model_validate(app.args)
+
+
+def test_cpu_rayservice_runs_the_serve_deploy_config():
+    """The CPU sample's serveConfigV2 holds the same application as cluster/serve-config.yaml."""
+    local = yaml.safe_load((ROOT / "cluster" / "serve-config.yaml").read_text())
+    service = yaml.safe_load((ROOT / "cluster" / "kuberay" / "rayservice-cpu.yaml").read_text())
+    assert yaml.safe_load(service["spec"]["serveConfigV2"])["applications"] == local["applications"]
+
+
+def test_prometheus_config_is_valid():
+    promtool = shutil.which("promtool")
+    assert promtool, "promtool comes with Debian's prometheus package (`make test` installs it)"
+    proc = subprocess.run([promtool, "check", "config", str(ROOT / "cluster" / "prometheus.yml")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
