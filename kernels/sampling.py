@@ -56,13 +56,35 @@ def processed_probs(logits: torch.Tensor, params: SamplingLike) -> torch.Tensor:
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if params.top_p < 1.0:
-        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
-        mass_before = sorted_p.cumsum(dim=-1) - sorted_p
-        drop_sorted = mass_before >= params.top_p  # the top token always stays (mass_before = 0)
-        probs = probs.masked_fill(torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted), 0.0)
+        probs = _nucleus(probs, params.top_p)
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True)
+
+
+NUCLEUS_CANDIDATES = 1024
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zeroes every token outside the smallest run of most likely tokens (ties by token id)
+    whose mass reaches top_p; the top token always stays. Each row sorts only its candidates --
+    the tokens at least as likely as its NUCLEUS_CANDIDATES-th -- and falls back to the whole
+    vocabulary when the candidates' mass stays below top_p."""
+    rows = probs.reshape(-1, probs.shape[-1])
+    kept = torch.zeros_like(rows, dtype=torch.bool)
+    k = min(NUCLEUS_CANDIDATES, rows.shape[-1])
+    kth = rows.topk(k, dim=-1).values[:, -1]
+    for r, row in enumerate(rows):
+        for ids in ((row >= kth[r]).nonzero().squeeze(-1), None):
+            vals = row if ids is None else row[ids]
+            sorted_p, order = vals.sort(descending=True, stable=True)  # ties keep ascending ids
+            mass = sorted_p.cumsum(0)
+            if ids is not None and mass[-1] < top_p:
+                continue  # the nucleus reaches past the candidates: sort the whole row
+            inside = order[(mass - sorted_p) < top_p]
+            kept[r, inside if ids is None else ids[inside]] = True
+            break
+    return probs.masked_fill(~kept.reshape(probs.shape), 0.0)
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
