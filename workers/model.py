@@ -118,9 +118,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x32 = x.float() if dtype in (torch.float16, torch.bfloat16) else x
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        if dtype in (torch.float16, torch.bfloat16):  # normalise in fp32, as the reference does
+            return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(dtype)
+        return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
 
 
 class MLP(nn.Module):
@@ -135,12 +135,9 @@ class MLP(nn.Module):
 
 
 def attend(q, k, v, mask):
-    """q [B, Hq, Q, D]; k, v [B, Hkv, K, D]; mask [B, 1, Q, K] bool (True = visible)."""
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    """q [B, Hq, Q, D]; k, v [B, Hkv, K, D]; mask [B, 1, Q, K] bool (True = visible).
+    Grouped-query attention without copying k, v per query head."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 @dataclass
@@ -166,6 +163,23 @@ class KVCache:
         return self.k.shape[3]
 
 
+def slot_mask(lengths: torch.Tensor, block_mask: torch.Tensor, span: int) -> torch.Tensor:
+    """[B, Q, span] bool over cache slots: row b's block sits at slots lengths[b] ... + Q - 1.
+    Query i sees every committed slot (< lengths[b]) and block slot lengths[b] + j where
+    block_mask[b, i, j]; slots between a shorter row's block and `span` are never seen.
+
+    Example: lengths [2], block_mask [[1, 0], [1, 1]], span 4 ->
+        [[1, 1, 1, 0],
+         [1, 1, 1, 1]]
+    """
+    b, q_len, _ = block_mask.shape
+    mask = torch.zeros(b, q_len, span, dtype=torch.bool, device=block_mask.device)
+    for row, at in enumerate(lengths.tolist()):
+        mask[row, :, :at] = True
+        mask[row, :, at : at + q_len] = block_mask[row]
+    return mask
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -179,9 +193,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer: int, cache: KVCache, prefix: int, mask):
-        """x [B, Q, H]; reads cache slots [0, prefix) of `layer`, writes the block's keys and
-        values at slots lengths[b] + i. mask [B, 1, Q, prefix + Q]."""
+    def forward(self, x, cos, sin, layer: int, cache: KVCache, span: int, mask):
+        """x [B, Q, H]. Writes the block's keys and values at slots lengths[b] + i of `layer`,
+        then attends over slots [0, span) under mask [B, 1, Q, span]."""
         b, q_len, _ = x.shape
         q = self.q_proj(x).view(b, q_len, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, q_len, self.kv_heads, self.head_dim)
@@ -191,13 +205,10 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
-        keys = torch.cat([cache.k[layer, :, :, :prefix], k], dim=2)
-        values = torch.cat([cache.v[layer, :, :, :prefix], v], dim=2)
-        out = attend(q, keys, values, mask)
-        for row in range(b):
-            at = int(cache.lengths[row])
+        for row, at in enumerate(cache.lengths.tolist()):
             cache.k[layer, row, :, at : at + q_len] = k[row]
             cache.v[layer, row, :, at : at + q_len] = v[row]
+        out = attend(q, cache.k[layer, :, :, :span], cache.v[layer, :, :, :span], mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
@@ -209,8 +220,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer, cache, prefix, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, prefix, mask)
+    def forward(self, x, cos, sin, layer, cache, span, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, span, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -266,16 +277,15 @@ class TargetModel(nn.Module):
         values at slots lengths[b] ... lengths[b] + Q - 1. It does not advance `lengths`: the
         caller commits what it keeps (see kernels.tree.compact_kv)."""
         b, q_len = tokens.shape
-        prefix = int(cache.lengths.max())
-        if prefix + q_len > cache.slots:
-            raise ValueError(f"KV cache has {cache.slots} slots; this block needs {prefix + q_len}")
-        seen_prefix = torch.arange(prefix, device=tokens.device)[None, :] < cache.lengths[:, None]
-        mask = torch.cat([seen_prefix[:, None, :].expand(b, q_len, prefix), block_mask], dim=2)
+        span = int(cache.lengths.max()) + q_len
+        if span > cache.slots:
+            raise ValueError(f"KV cache has {cache.slots} slots; this block needs {span}")
+        mask = slot_mask(cache.lengths, block_mask, span)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
         x = self.model.embed_tokens(tokens)
         captured = []
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, cache, prefix, mask[:, None])
+            x = layer(x, cos, sin, i, cache, span, mask[:, None])
             if i in capture_layers:
                 captured.append((capture_layers.index(i), x))
         keep = x[:, -logits_to_keep:] if logits_to_keep else x
