@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from pydantic import ValidationError
 
@@ -111,6 +112,39 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from .config import ModelPairConfig, parse_budget
+
+    try:
+        budgets = [parse_budget(b.strip()) for b in args.budgets.split(",")]
+        config = ModelPairConfig(model=args.model, drafter=args.drafter, budget=0, dtype=args.dtype)
+    except (ValueError, ValidationError) as err:
+        print(f"ddtree bench: {err}", file=sys.stderr)
+        return 2
+    if 0 not in budgets:
+        budgets.insert(0, 0)
+    if "chain" not in budgets:
+        budgets.insert(1, "chain")
+    from tqdm import tqdm
+
+    from .bench import json_rows, markdown, plot, read_prompts, run_bench
+    from .engine import Engine
+
+    prompts = read_prompts(args.prompts, args.limit)
+    engine = Engine.from_config(config)
+    with tqdm(total=len(prompts), desc="prompts", unit="prompt") as bar:
+        rows = run_bench(engine, prompts, budgets, args.max_tokens, peers=not args.no_peers,
+                         progress=lambda done, total: bar.update(1))
+    print(f"{len(prompts)} prompts from {args.prompts}, {args.max_tokens} new tokens, greedy, {config.dtype}")
+    print(markdown(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(json_rows(rows), f, indent=2)
+    if args.plot:
+        plot(rows, args.plot, f"{Path(args.prompts).name}: {len(prompts)} prompts, {args.max_tokens} tokens")
+    return 0
+
+
 def _dashboards(args: argparse.Namespace) -> int:
     from .dashboards.ddtree_dashboard import dashboard_json
 
@@ -162,6 +196,19 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--budget", help="override the config's tree budget")
     srv.add_argument("--metrics-port", type=int, default=8080, help="Ray's Prometheus endpoint")
     srv.set_defaults(func=_serve)
+
+    bench = sub.add_parser("bench", help="ddtree at every budget against transformers, side by side")
+    bench.add_argument("--prompts", required=True, help="JSONL with question, turns[0] or prompt")
+    bench.add_argument("--limit", type=int, default=20)
+    bench.add_argument("--max-tokens", type=int, default=128)
+    bench.add_argument("--budgets", default="0,8,16,32,64", help="comma-separated; 0 and chain are always run")
+    bench.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
+    bench.add_argument("--drafter", help="DFlash drafter (default: the untrained one)")
+    bench.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    bench.add_argument("--json", help="write one row per setting here")
+    bench.add_argument("--plot", help="write a PNG of tau and speed-up against the budget here")
+    bench.add_argument("--no-peers", action="store_true", help="skip transformers generate / prompt lookup")
+    bench.set_defaults(func=_bench)
 
     dash = sub.add_parser("dashboards", help="export or push the Grafana dashboard")
     dash.add_argument("action", choices=["export", "push"])

@@ -1,0 +1,226 @@
+"""`ddtree bench`: ddtree at every budget against transformers, side by side in one run.
+
+For each prompt, every setting runs once, in an order that rotates from prompt to prompt, after
+one warm-up pass of every setting: plain decoding (ddtree budget 0), the DFlash chain, DDTree at
+each budget, transformers `generate()` greedy and transformers prompt-lookup assisted
+generation, all greedy on the same model and prompts. Machines here are shared and noisy, so
+the figures that matter are the ratios within one run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import SamplingParams
+from .engine import Engine
+from .kernels.tree import Tree, build_tree, verify_block
+
+PROMPT_LOOKUP_TOKENS = 10
+PHASES = ("draft", "tree", "verify", "commit", "other")
+
+
+def read_prompts(path: str | Path, limit: int | None) -> list[str]:
+    """JSONL rows with `question`, `turns[0]` or `prompt`."""
+    prompts = []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        text = row.get("question") or (row.get("turns") or [None])[0] or row.get("prompt")
+        if not text:
+            raise ValueError(f"{path}: a row has no question, turns[0] or prompt: {line[:80]}")
+        prompts.append(text)
+        if limit and len(prompts) >= limit:
+            break
+    return prompts
+
+
+@dataclass
+class Row:
+    mode: str  # "ddtree", "hf-generate", "hf-prompt-lookup"
+    budget: int | str | None  # ddtree's budget (0, "chain", N); None for the peers
+    tokens: int = 0
+    seconds: float = 0.0
+    rounds: int = 0
+    round_tokens: int = 0  # output tokens of the rounds (all but each request's first)
+    phase_s: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    tau: float | None = None
+    tokens_per_s: float = 0.0
+    speedup_vs_ar: float = 0.0
+    speedup_vs_hf: float = 0.0
+    verify_cost_ratio: float | None = None  # T(budget + 1) / T(1) of the target
+
+    @property
+    def label(self) -> str:
+        return f"ddtree budget {self.budget}" if self.mode == "ddtree" else self.mode
+
+
+def verify_costs(engine: Engine, sizes: list[int], context: int = 300, repeats: int = 7) -> dict[int, float]:
+    """Median seconds of one target pass over q tree tokens after a `context`-token cache."""
+    model = engine.target.model
+    cache = model.new_cache(1, context + max(sizes) + 1)
+    ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    model(ids, torch.arange(context)[None], model.prefill_mask(context), cache)
+    cache.lengths += context
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for q in sizes:
+        logprobs = torch.log_softmax(torch.randn(8, model.config.vocab_size, generator=g, dtype=torch.float64), -1)
+        tree = build_tree(0, logprobs, q - 1) if q > 1 else Tree.root_only(0)
+        block = verify_block(tree, context, pad_to=q)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            model(block.tokens[None], block.positions[None], block.mask[None], cache)
+            times.append(time.perf_counter() - start)
+        out[q] = statistics.median(times[2:] if repeats > 3 else times)
+    return out
+
+
+class HFPeer:
+    """transformers' own generation on the same checkpoint (the reference, in its eager fp32)."""
+
+    def __init__(self, engine: Engine):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(engine.target.directory, dtype=engine.target.model.dtype).eval()
+        self.eos = engine.eos_token_ids
+
+    @torch.inference_mode()
+    def generate(self, prompt: list[int], max_tokens: int, prompt_lookup: bool) -> int:
+        ids = torch.tensor([prompt])
+        kwargs = {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS} if prompt_lookup else {}
+        out = self.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+            eos_token_id=list(self.eos) or None, pad_token_id=self.eos[0] if self.eos else 0, **kwargs,
+        )
+        return out.shape[1] - ids.shape[1]
+
+
+def run_bench(
+    engine: Engine,
+    prompts: list[str],
+    budgets: list,
+    max_tokens: int,
+    peers: bool = True,
+    progress=None,
+) -> list[Row]:
+    settings: list[tuple[str, object]] = [("ddtree", b) for b in budgets]
+    hf = HFPeer(engine) if peers else None
+    if hf:
+        settings += [("hf-generate", None), ("hf-prompt-lookup", None)]
+    rows = {s: Row(mode=s[0], budget=s[1]) for s in settings}
+    greedy = SamplingParams()
+    encoded = [engine.render_chat([{"role": "user", "content": p}]) for p in prompts]
+
+    def once(setting, prompt, tokens, row: Row | None):
+        mode, budget = setting
+        start = time.perf_counter()
+        if mode == "ddtree":
+            result = engine.coordinator.generate([engine.request(prompt, tokens, greedy, budget=budget)])[0]
+            n = len(result.tokens)
+        else:
+            result, n = None, hf.generate(prompt, tokens, prompt_lookup=mode == "hf-prompt-lookup")
+        seconds = time.perf_counter() - start
+        if row is None:
+            return
+        row.tokens += n
+        row.seconds += seconds
+        if result is not None:
+            # tau counts the round outputs only: the prefill's first token is not a round's
+            row.rounds += len(result.rounds)
+            row.phase_s["other"] += result.prefill_s
+            for r in result.rounds:
+                for phase in PHASES[:-1]:
+                    row.phase_s[phase] += getattr(r, f"{phase}_s")
+            row.phase_s["other"] += result.decode_s - sum(
+                getattr(r, f"{p}_s") for r in result.rounds for p in PHASES[:-1]
+            )
+            row.round_tokens += n - 1
+
+    for setting in settings:  # warm-up
+        once(setting, encoded[0], min(8, max_tokens), None)
+    for i, prompt in enumerate(encoded):
+        order = settings[i % len(settings):] + settings[: i % len(settings)]
+        for setting in order:
+            once(setting, prompt, max_tokens, rows[setting])
+        if progress:
+            progress(i + 1, len(encoded))
+
+    sizes = sorted({1} | {engine.coordinator.verify_len(b) for b in budgets if b != 0})
+    costs = verify_costs(engine, sizes)
+    out = list(rows.values())
+    for row in out:
+        row.tokens_per_s = row.tokens / row.seconds if row.seconds else 0.0
+        if row.mode == "ddtree":
+            row.tau = row.round_tokens / row.rounds if row.rounds else 0.0
+            row.verify_cost_ratio = costs[engine.coordinator.verify_len(row.budget)] / costs[1] if row.budget != 0 else 1.0
+    ar = next(r for r in out if r.mode == "ddtree" and r.budget == 0).tokens_per_s if 0 in budgets else None
+    hf_rate = next((r.tokens_per_s for r in out if r.mode == "hf-generate"), None)
+    for row in out:
+        row.speedup_vs_ar = row.tokens_per_s / ar if ar else 0.0
+        row.speedup_vs_hf = row.tokens_per_s / hf_rate if hf_rate else 0.0
+    return out
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = [
+        "| setting | tau | tokens/s | vs budget 0 | vs HF generate | T(B+1)/T(1) | draft / tree / verify / commit / other (% of time) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        total = sum(r.phase_s.values())
+        split = " / ".join(f"{100 * r.phase_s[p] / total:.0f}" for p in PHASES) if r.mode == "ddtree" and total else "-"
+        tau = f"{r.tau:.2f}" if r.tau is not None else "-"
+        cost = f"{r.verify_cost_ratio:.2f}" if r.verify_cost_ratio is not None else "-"
+        lines.append(
+            f"| {r.label} | {tau} | {r.tokens_per_s:.2f} | {r.speedup_vs_ar:.2f}x | {r.speedup_vs_hf:.2f}x | {cost} | {split} |"
+        )
+    return "\n".join(lines)
+
+
+def json_rows(rows: list[Row]) -> list[dict]:
+    out = []
+    for r in rows:
+        d = asdict(r)
+        d.pop("phase_s")
+        d["phase_seconds"] = r.phase_s
+        out.append(d)
+    return out
+
+
+def plot(rows: list[Row], path: str | Path, title: str) -> None:
+    """tau and speed-up over budget 0 against the budget (the chain drawn at B-1)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tree = [r for r in rows if r.mode == "ddtree" and isinstance(r.budget, int)]
+    chain = [r for r in rows if r.mode == "ddtree" and r.budget == "chain"]
+    fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
+    budgets = [r.budget for r in tree]
+    ax_tau.plot(budgets, [r.tau for r in tree], "o-", label="DDTree")
+    ax_speed.plot(budgets, [r.speedup_vs_ar for r in tree], "o-", label="DDTree")
+    for r in chain:
+        ax_tau.axhline(r.tau, ls="--", color="gray", label="chain (DFlash)")
+        ax_speed.axhline(r.speedup_vs_ar, ls="--", color="gray", label="chain (DFlash)")
+    for r in rows:
+        if r.mode != "ddtree":
+            ax_speed.axhline(r.speedup_vs_ar, ls=":", label=r.mode, color="tab:red" if r.mode == "hf-generate" else "tab:green")
+    ax_speed.axhline(1.0, color="black", lw=0.8)
+    ax_tau.set(xlabel="tree budget (drafted nodes)", ylabel="tau (tokens per round)", title="acceptance")
+    ax_speed.set(xlabel="tree budget (drafted nodes)", ylabel="tokens/s vs ddtree budget 0", title="speed-up")
+    for ax in (ax_tau, ax_speed):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
