@@ -40,7 +40,7 @@ def _generate(args: argparse.Namespace) -> int:
             "tokens": result.tokens,
             "finish_reason": result.finish_reason,
             "seed": result.seed,
-            "budget": config.budget,
+            "budget": engine.budget,
             "rounds": len(result.rounds),
             "tau": round(result.tau, 3),
             "tokens_per_s": round(len(result.tokens) / seconds, 2) if seconds else None,
@@ -57,7 +57,7 @@ def _generate(args: argparse.Namespace) -> int:
             print(result.text, flush=True)
             print(
                 f"[{len(result.tokens)} tokens, {record['rounds']} rounds, tau {record['tau']}, "
-                f"{record['tokens_per_s']} tokens/s, budget {config.budget}]",
+                f"{record['tokens_per_s']} tokens/s, budget {engine.budget}]",
                 file=sys.stderr,
             )
     return 0
@@ -99,7 +99,7 @@ def _serve(args: argparse.Namespace) -> int:
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(config), name="ddtree", route_prefix="/")
     print(
-        f"ddtree serves {config.served_name} (budget {config.budget}) on http://{args.host}:{args.port}/v1 ; "
+        f"ddtree serves {config.served_name} (budget {config.budget}, per request: \"speculation\": {{\"budget\": N}}) on http://{args.host}:{args.port}/v1 ; "
         f"metrics on http://127.0.0.1:{args.metrics_port}/metrics ; Ctrl-C stops",
         flush=True,
     )
@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--prompt", action="append", required=True, help="a user message (repeatable)")
     gen.add_argument("--model", help="target: Hugging Face checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
     gen.add_argument("--drafter", help="DFlash drafter checkpoint dir (default: seeded untrained drafter)")
-    gen.add_argument("--budget", default="16", help="tree budget: 0 = plain decoding, 'chain' = DFlash, N = DDTree")
+    gen.add_argument("--budget", default="auto",
+                     help="tree budget: 0 = plain decoding, 'chain' = DFlash, N = DDTree, auto = fastest here (default)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 = off")

@@ -39,9 +39,10 @@ class ModelPairConfig(BaseModel):
         None, description="DFlash drafter checkpoint directory; None = a seeded untrained drafter "
         "(lossless, slow to accept) until a trained default ships."
     )
-    budget: int | Literal["chain"] = Field(
-        16, description="Draft-tree budget: 0 = plain decoding, 'chain' = vanilla DFlash, "
-        "N = DDTree with N drafted nodes."
+    budget: int | Literal["chain", "auto"] = Field(
+        "auto", description="Draft-tree budget: 0 = plain decoding, 'chain' = vanilla DFlash, "
+        "N = DDTree with N drafted nodes, 'auto' = the fastest on this machine, measured at "
+        "start-up and cached (never slower than plain decoding)."
     )
     block_size: int = Field(8, ge=2, description="Block size of the untrained default drafter.")
     dtype: Literal["float32", "float64", "bfloat16"] = Field("float32", description="Weights dtype.")
@@ -50,7 +51,7 @@ class ModelPairConfig(BaseModel):
     @field_validator("budget", mode="before")
     @classmethod
     def _budget(cls, v):
-        return parse_budget(v)
+        return v if v == "auto" else parse_budget(v)
 
 
 def parse_budget(v):

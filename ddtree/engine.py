@@ -30,10 +30,21 @@ class Engine:
             else DFlashDrafter.untrained(target.model, block_size=config.block_size)
         )
         engine = cls(config, target, None)
+        fixed = 0 if config.budget == "auto" else config.budget
         engine.coordinator = Coordinator(
-            target.model, drafter, config.budget, static_shapes=config.static_shapes, decode=engine.decode
+            target.model, drafter, fixed, static_shapes=config.static_shapes, decode=engine.decode
         )
+        if config.budget == "auto":
+            from .calibrate import calibrated_budget
+
+            drafter_id = config.drafter or f"untrained-block{config.block_size}"
+            engine.coordinator.budget = calibrated_budget(engine, drafter_id)
         return engine
+
+    @property
+    def budget(self):
+        """The budget requests run at unless they ask for another (auto resolved)."""
+        return self.coordinator.budget
 
     @property
     def context_length(self) -> int:

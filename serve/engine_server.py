@@ -70,7 +70,7 @@ class EngineServer:
         self.metrics = EngineMetrics(self.config.served_name)
         logger.info(
             "ddtree engine ready: %s, budget %s, in %.1f s",
-            self.config.served_name, self.config.budget, time.perf_counter() - started,
+            self.config.served_name, self.engine.budget, time.perf_counter() - started,
         )
 
     def model_info(self) -> dict:
@@ -78,7 +78,7 @@ class EngineServer:
             "id": self.config.served_name,
             "created": self.created,
             "context_length": self.engine.context_length,
-            "budget": self.config.budget,
+            "budget": self.engine.budget,
         }
 
     # --- request preparation ----------------------------------------------------------------
@@ -180,7 +180,7 @@ class EngineServer:
     def usage(self, request, result) -> dict:
         accepted = sum(r.accepted for r in result.rounds)
         drafted = sum(r.tree_size - 1 for r in result.rounds)
-        budget = request.budget if request.budget is not None else self.config.budget
+        budget = request.budget if request.budget is not None else self.engine.budget
         return {
             "prompt_tokens": len(request.prompt),
             "completion_tokens": len(result.tokens),
