@@ -145,6 +145,70 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_drafter(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from .training import TrainConfig, default_layer_ids, stage_data, stage_export, stage_train
+    from .workers.loading import load_target
+
+    workdir = Path(args.workdir)
+    target = load_target(args.model, torch.float32)
+    layers = tuple(args.target_layers) if args.target_layers else default_layer_ids(target.model.config.num_hidden_layers)
+    cfg = TrainConfig(block_size=args.block_size, num_layers=args.layers, target_layer_ids=layers,
+                      mask_token_id=args.mask_token_id, steps=args.steps, seed=args.seed)
+    stages = ["data", "train", "export"] if args.stage == "all" else [args.stage]
+    if "data" in stages:
+        stage_data(target, workdir, args.prompts or [], args.limit_per_file, args.self_prompts, layers,
+                   args.max_tokens, args.batch, args.seed)
+    if "train" in stages:
+        deadline = time.time() + 60 * args.minutes if args.minutes else None
+        state = stage_train(target, workdir, cfg, layers, deadline)
+        if state.step < cfg.steps:
+            print(f"stopped at step {state.step} of {cfg.steps} (time limit); run the train stage again to go on")
+            return 0
+    if "export" in stages:
+        files = ", ".join(Path(p).name for p in args.prompts or [])
+        out = stage_export(target, workdir, cfg, layers, Path(args.out or workdir / "export"),
+                           data_note=f"prompts from {files or 'no files'} and {args.self_prompts} target-written prompts")
+        print(f"drafter written to {out}")
+    return 0
+
+
+def _eval_drafter(args: argparse.Namespace) -> int:
+    import torch
+
+    from .bench import read_prompts
+    from .config import parse_budget
+    from .training import eval_drafter
+    from .workers.drafter import DFlashDrafter
+    from .workers.loading import load_target
+
+    target = load_target(args.model, torch.float32)
+    drafter = DFlashDrafter.load(args.drafter or default_drafter_path(), target.model)
+    budgets = [parse_budget(b.strip()) for b in args.budgets.split(",")]
+    report = eval_drafter(target, drafter, read_prompts(args.prompts, args.limit), args.max_tokens, budgets)
+    print(f"{report['prompts']} prompts from {args.prompts}, {args.max_tokens} tokens, greedy")
+    print("| budget | " + " | ".join(report["tau"]) + " |")
+    print("| --- |" + " --- |" * len(report["tau"]))
+    print("| tau | " + " | ".join(f"{t:.2f}" for t in report["tau"].values()) + " |")
+    print("top-1 accuracy per block position: " + ", ".join(f"{a:.2f}" for a in report["accuracy"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+def default_drafter_path():
+    from .engine import shipped_drafter
+
+    path = shipped_drafter()
+    if path is None:
+        raise SystemExit("no drafter given and none ships with this package: pass --drafter DIR")
+    return path
+
+
 def _dashboards(args: argparse.Namespace) -> int:
     from .dashboards.ddtree_dashboard import dashboard_json
 
@@ -210,6 +274,35 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--plot", help="write a PNG of tau and speed-up against the budget here")
     bench.add_argument("--no-peers", action="store_true", help="skip transformers generate / prompt lookup")
     bench.set_defaults(func=_bench)
+
+    train = sub.add_parser("train-drafter", help="self-distil a DFlash drafter (resumable stages)")
+    train.add_argument("--workdir", required=True, help="data, checkpoints and export live here")
+    train.add_argument("--stage", default="all", choices=["data", "train", "export", "all"])
+    train.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
+    train.add_argument("--prompts", action="append", help="training prompts JSONL (repeatable; never evaluation files)")
+    train.add_argument("--limit-per-file", type=int, default=400)
+    train.add_argument("--self-prompts", type=int, default=300, help="prompts the target writes itself")
+    train.add_argument("--max-tokens", type=int, default=160, help="response length")
+    train.add_argument("--batch", type=int, default=16, help="generation batch")
+    train.add_argument("--block-size", type=int, default=8)
+    train.add_argument("--layers", type=int, default=2)
+    train.add_argument("--target-layers", type=int, nargs="+", help="default: 1, middle, last-but-three")
+    train.add_argument("--mask-token-id", type=int, help="default: the last vocabulary id")
+    train.add_argument("--steps", type=int, default=3000)
+    train.add_argument("--minutes", type=float, help="stop training after this long (checkpointed; rerun to resume)")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--out", help="export directory (default: WORKDIR/export)")
+    train.set_defaults(func=_train_drafter)
+
+    ev = sub.add_parser("eval-drafter", help="held-out tau per budget and per-position accuracy")
+    ev.add_argument("--prompts", required=True)
+    ev.add_argument("--drafter", help="default: the drafter shipped with the package")
+    ev.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
+    ev.add_argument("--limit", type=int, default=20)
+    ev.add_argument("--max-tokens", type=int, default=128)
+    ev.add_argument("--budgets", default="chain,8,16,32,64")
+    ev.add_argument("--json", help="write the report here")
+    ev.set_defaults(func=_eval_drafter)
 
     dash = sub.add_parser("dashboards", help="export or push the Grafana dashboard")
     dash.add_argument("action", choices=["export", "push"])

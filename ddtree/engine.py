@@ -4,6 +4,7 @@ request (chat template, EOS, decoding). The CLI and the Serve engine deployment 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -11,6 +12,14 @@ from .config import GenerateConfig, ModelPairConfig, SamplingParams
 from .workers.coordinator import Budget, Coordinator, Request, Result
 from .workers.drafter import DFlashDrafter
 from .workers.loading import LoadedTarget, load_target
+
+
+SHIPPED_DRAFTER = Path(__file__).parent / "drafters" / "smollm2-135m-instruct"
+
+
+def shipped_drafter() -> Path | None:
+    """The trained drafter this package ships for the default target, if any."""
+    return SHIPPED_DRAFTER if (SHIPPED_DRAFTER / "model.safetensors").is_file() else None
 
 
 @dataclass
@@ -24,9 +33,10 @@ class Engine:
         dtype = getattr(torch, config.dtype)
         target = load_target(config.model, dtype)
         # The drafter is loaded even at budget 0, so that a request may ask for another budget.
+        drafter_path = config.drafter or (shipped_drafter() if config.model is None else None)
         drafter = (
-            DFlashDrafter.load(config.drafter, target.model)
-            if config.drafter
+            DFlashDrafter.load(drafter_path, target.model)
+            if drafter_path
             else DFlashDrafter.untrained(target.model, block_size=config.block_size)
         )
         engine = cls(config, target, None)
@@ -37,7 +47,11 @@ class Engine:
         if config.budget == "auto":
             from .calibrate import calibrated_budget
 
-            drafter_id = config.drafter or f"untrained-block{config.block_size}"
+            if drafter_path:
+                weights = Path(drafter_path) / "model.safetensors"
+                drafter_id = f"{drafter_path}:{weights.stat().st_size}:{weights.stat().st_mtime_ns}"
+            else:
+                drafter_id = f"untrained-block{config.block_size}"
             engine.coordinator.budget = calibrated_budget(engine, drafter_id)
         return engine
 

@@ -143,3 +143,17 @@ def test_save_load_round_trip(tmp_path, tiny_checkpoint):
     features = torch.randn(1, 5, drafter.fc.in_features, dtype=torch.float64)
     args = (features, torch.tensor([2]), torch.tensor([5]))
     assert torch.equal(drafter.draft(drafter.new_cache(1, 16), *args), again.draft(again.new_cache(1, 16), *args))
+
+
+def test_training_blocks_equal_drafting_at_each_anchor(drafter_and_state):
+    """The batched training forward gives, for every anchor, the distributions drafting there
+    gives (context = features before the anchor, block = [token at anchor, MASK...])."""
+    drafter, *_ = drafter_and_state
+    g = torch.Generator().manual_seed(4)
+    features = torch.randn(14, HIDDEN * 2, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, 95, (14,), generator=g)
+    anchors = torch.tensor([1, 5, 9])
+    train = torch.log_softmax(drafter.block_logits(features, tokens, anchors).double(), -1)
+    for i, a in enumerate(anchors.tolist()):
+        drafted = drafter.draft(drafter.new_cache(1, 32), features[None, :a], tokens[a : a + 1], torch.tensor([a]))
+        torch.testing.assert_close(train[i], drafted[0], rtol=0, atol=1e-10)

@@ -160,6 +160,21 @@ class DraftAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
+    def forward_blocks(self, x, block_rope, ctx, ctx_rope, visible):
+        """Training: A blocks at once over one sequence's context, no cache.
+        x [A, S, H]; ctx [1, T, H]; visible [A, T] bool (block a sees context < its anchor)."""
+        a, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(a, s, self.heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, *block_rope)
+        k_blk, v_blk = self.keys_values(x, *block_rope)
+        k_ctx, v_ctx = self.keys_values(ctx, *ctx_rope)
+        keys = torch.cat([k_ctx.expand(a, -1, -1, -1), k_blk], dim=2)
+        values = torch.cat([v_ctx.expand(a, -1, -1, -1), v_blk], dim=2)
+        mask = torch.cat([visible, torch.ones(a, s, dtype=torch.bool, device=x.device)], dim=1)
+        out = attend(q, keys, values, mask[:, None, None, :])
+        return self.o_proj(out.transpose(1, 2).reshape(a, s, -1))
+
+
 class DraftLayer(nn.Module):
     def __init__(self, c: DFlashConfig):
         super().__init__()
@@ -170,6 +185,10 @@ class DraftLayer(nn.Module):
 
     def forward(self, x, block_rope, ctx, ctx_rope, layer, cache):
         x = x + self.self_attn(self.input_layernorm(x), block_rope, ctx, ctx_rope, layer, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_blocks(self, x, block_rope, ctx, ctx_rope, visible):
+        x = x + self.self_attn.forward_blocks(self.input_layernorm(x), block_rope, ctx, ctx_rope, visible)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -228,6 +247,25 @@ class DFlashDrafter(nn.Module):
             x = layer(x, block_rope, ctx, ctx_rope, i, cache)
         cache.lengths += n
         return self.norm(x)
+
+    def block_logits(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """Training (differentiable): the drafter's logits for blocks at `anchors` of one
+        sequence, exactly as drafting there would see them. features [T, F] (target features of
+        tokens [T]); anchors [A] -> logits [A, S-1, V] for positions anchor + 1 ... + S - 1.
+        Block a is [tokens[a], MASK x (S-1)] and sees the context features of positions < a."""
+        target = self._target[0]
+        s, t = self.block_size, tokens.shape[0]
+        steps = torch.arange(s, device=tokens.device)
+        block = torch.full((anchors.shape[0], s), self.config.mask_token_id, dtype=torch.int64, device=tokens.device)
+        block[:, 0] = tokens[anchors]
+        x = target.model.embed_tokens(block).to(self.dtype)
+        ctx = self.hidden_norm(self.fc(features[None].to(self.dtype)))
+        block_rope = rope_cos_sin(anchors[:, None] + steps, self.inv_freq, self.dtype)
+        ctx_rope = rope_cos_sin(torch.arange(t, device=tokens.device)[None], self.inv_freq, self.dtype)
+        visible = torch.arange(t, device=tokens.device)[None, :] < anchors[:, None]
+        for layer in self.layers:
+            x = layer.forward_blocks(x, block_rope, ctx, ctx_rope, visible)
+        return target.lm_head(self.norm(x[:, 1:]))
 
     @torch.inference_mode()
     def draft(self, cache: DraftCache, features, bonus, start) -> torch.Tensor:

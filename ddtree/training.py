@@ -1,0 +1,415 @@
+"""`ddtree train-drafter`: self-distil a DFlash drafter for a target, in three resumable stages.
+
+    workdir/
+      data/shard-00000.safetensors ...   the target's greedy responses + features (stage 1)
+      train/checkpoint.pt                drafter + optimizer + step (stage 2, rewritten as it goes)
+      export/                            the drafter in the published DFlash format + README.md
+
+1. data: prompts from JSONL files (`question`, `turns[0]` or `prompt`) and prompts the target
+   writes itself (the chat template's opening of a user turn, sampled with temperature, after a
+   short opener so chat, code and math are all covered); the target answers greedily, in batches,
+   and the outputs of its layers `target_layer_ids` are captured during generation.
+2. train: the DFlash recipe: random anchors inside the responses; block [token at anchor,
+   MASK x (B-1)]; context features strictly before the anchor; bidirectional attention in the
+   block; label at block position k = token at anchor + k; cross-entropy weighted by
+   exp(-(k-1)/gamma); the target, its embedding and LM head frozen; AdamW, warmup, cosine.
+3. export: the checkpoint directory (bf16 safetensors) and a model card.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from .bench import read_prompts
+from .workers.drafter import DFlashConfig, DFlashDrafter
+from .workers.loading import LoadedTarget
+
+OPENERS = (
+    "Write a Python function", "Explain", "How do I", "Solve", "What is", "Write a short story",
+    "Give me tips", "Compare", "Write a SQL query", "Calculate", "Why does", "Summarize",
+    "Write a JavaScript", "Translate", "Describe", "If a train",
+)
+
+
+@dataclass
+class TrainConfig:
+    block_size: int = 8
+    num_layers: int = 2
+    target_layer_ids: tuple[int, ...] | None = None  # default: 1, middle, last-but-three
+    mask_token_id: int | None = None
+    gamma: float = 5.0  # position weight exp(-(k-1)/gamma)
+    steps: int = 3000
+    sequences_per_step: int = 4
+    anchors_per_sequence: int = 24
+    lr: float = 6e-4
+    warmup: int = 100
+    weight_decay: float = 0.01
+    seed: int = 0
+    held_out: float = 0.05  # share of sequences kept for held-out accuracy
+    checkpoint_every: int = 100
+
+
+def default_layer_ids(num_layers: int) -> tuple[int, ...]:
+    return tuple(sorted({1, num_layers // 2 - 1, num_layers - 3}))
+
+
+# --- stage 1: data ----------------------------------------------------------------------------
+
+
+def self_prompts(target: LoadedTarget, count: int, seed: int, batch: int = 16, max_tokens: int = 48) -> list[str]:
+    """User messages the target writes itself: the chat template up to the user's content plus
+    an opener, then sampled at temperature 1 until the turn ends."""
+    from transformers import AutoModelForCausalLM
+
+    tok = target.tokenizer
+    marker = "\u2063"
+    rendered = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    opening = rendered[: rendered.index(marker)]
+    hf = AutoModelForCausalLM.from_pretrained(target.directory, dtype=torch.float32).eval()
+    tok.padding_side = "left"
+    torch.manual_seed(seed)
+    out = []
+    with tqdm(total=count, desc="self-prompts", unit="prompt") as bar:
+        while len(out) < count:
+            openers = [OPENERS[(len(out) + i) % len(OPENERS)] for i in range(batch)]
+            enc = tok([opening + o for o in openers], return_tensors="pt", padding=True, add_special_tokens=False)
+            with torch.inference_mode():
+                gen = hf.generate(**enc, max_new_tokens=max_tokens, do_sample=True, temperature=1.0, top_p=0.95,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+            for opener, row in zip(openers, gen[:, enc["input_ids"].shape[1]:]):
+                text = (opener + tok.decode(row, skip_special_tokens=True)).strip()
+                if len(text) > len(opener) + 8:
+                    out.append(text)
+            bar.update(min(batch, count - bar.n))
+    return out[:count]
+
+
+@torch.inference_mode()
+def generate_shard(hf, tok, messages: list[str], layer_ids, max_tokens: int) -> dict:
+    """Greedy responses to `messages` in one batch, with the target's features captured during
+    generation (the hidden states transformers returns at each step). Returns flat tensors."""
+    rendered = [tok.apply_chat_template([{"role": "user", "content": m}], tokenize=False, add_generation_prompt=True)
+                for m in messages]
+    enc = tok(rendered, return_tensors="pt", padding=True, add_special_tokens=False)
+    out = hf.generate(**enc, max_new_tokens=max_tokens, do_sample=False, output_hidden_states=True,
+                      return_dict_in_generate=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    pad = enc["input_ids"].shape[1]
+    steps = out.hidden_states  # step 0: [B, pad, H] per layer; step t: [B, 1, H]
+    feats = torch.cat([torch.cat([step[i + 1] for i in layer_ids], dim=-1) for step in steps], dim=1)
+    tokens, features, offsets, starts = [], [], [0], []
+    for row in range(len(messages)):
+        real = int(enc["attention_mask"][row].sum())
+        response = out.sequences[row, pad:].tolist()
+        if tok.eos_token_id in response:
+            response = response[: response.index(tok.eos_token_id) + 1]
+        seq = out.sequences[row, pad - real : pad + len(response)]
+        # features exist for every token but the last (no step consumed it)
+        f = feats[row, pad - real : pad + len(response) - 1]
+        tokens.append(seq[:-1])
+        features.append(f.to(torch.float16))
+        starts.append(real)
+        offsets.append(offsets[-1] + len(seq) - 1)
+    return {
+        "tokens": torch.cat(tokens).to(torch.int32),
+        "features": torch.cat(features),
+        "offsets": torch.tensor(offsets, dtype=torch.int64),
+        "response_starts": torch.tensor(starts, dtype=torch.int64),
+    }
+
+
+def stage_data(target: LoadedTarget, workdir: Path, prompt_files: list[str], limit_per_file: int,
+               self_prompt_count: int, layer_ids, max_tokens: int, batch: int, seed: int) -> None:
+    from transformers import AutoModelForCausalLM
+
+    last = target.model.config.num_hidden_layers - 1
+    if max(layer_ids) >= last:
+        raise ValueError(
+            f"target layer {max(layer_ids)} is the target's last: transformers returns its output after "
+            f"the final norm, not the layer's own; choose layers below {last}"
+        )
+    data = workdir / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    plan = data / "prompts.json"
+    if plan.is_file():
+        messages = json.loads(plan.read_text())
+    else:
+        messages = [m for f in prompt_files for m in read_prompts(f, limit_per_file)]
+        messages += self_prompts(target, self_prompt_count, seed)
+        random.Random(seed).shuffle(messages)
+        plan.write_text(json.dumps(messages))
+    hf = AutoModelForCausalLM.from_pretrained(target.directory, dtype=torch.float32).eval()
+    tok = target.tokenizer
+    tok.padding_side = "left"
+    shards = [messages[i : i + batch] for i in range(0, len(messages), batch)]
+    done_tokens, started = 0, time.perf_counter()
+    with tqdm(total=len(shards), desc="data", unit="batch") as bar:
+        for i, chunk in enumerate(shards):
+            path = data / f"shard-{i:05d}.safetensors"
+            if path.is_file():  # resumable: finished shards stay
+                bar.update(1)
+                continue
+            shard = generate_shard(hf, tok, chunk, layer_ids, max_tokens)
+            tmp = path.with_suffix(".tmp")
+            save_file(shard, str(tmp))
+            tmp.replace(path)
+            done_tokens += int(shard["tokens"].numel())
+            bar.set_postfix(tokens=done_tokens, tok_s=f"{done_tokens / (time.perf_counter() - started):.0f}")
+            bar.update(1)
+
+
+def load_sequences(workdir: Path) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
+    """(tokens [T], features [T, F], response start) per sequence, from every shard."""
+    out = []
+    for path in sorted((workdir / "data").glob("shard-*.safetensors")):
+        shard = load_file(str(path))
+        offs = shard["offsets"].tolist()
+        for i, start in enumerate(shard["response_starts"].tolist()):
+            a, b = offs[i], offs[i + 1]
+            out.append((shard["tokens"][a:b].long(), shard["features"][a:b], start))
+    return out
+
+
+# --- stage 2: train ---------------------------------------------------------------------------
+
+
+def init_drafter(target: LoadedTarget, cfg: TrainConfig, layer_ids) -> DFlashDrafter:
+    """A drafter whose layers start as copies of the target's last layers (same shapes)."""
+    t = target.model.config
+    config = DFlashConfig(
+        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim,
+        vocab_size=t.vocab_size, rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta, block_size=cfg.block_size,
+        num_target_layers=t.num_hidden_layers, target_layer_ids=tuple(layer_ids),
+        mask_token_id=cfg.mask_token_id if cfg.mask_token_id is not None else t.vocab_size - 1,
+    )
+    torch.manual_seed(cfg.seed)
+    drafter = DFlashDrafter(config, target.model).float()
+    source = target.model.model.layers[-cfg.num_layers:]
+    with torch.no_grad():
+        for mine, theirs in zip(drafter.layers, source):
+            own = mine.state_dict()
+            for name, tensor in theirs.state_dict().items():
+                if name in own:
+                    own[name].copy_(tensor)
+        torch.nn.init.normal_(drafter.fc.weight, std=0.02)
+        drafter.norm.weight.copy_(target.model.model.norm.weight)
+    return drafter
+
+
+def position_weights(block: int, gamma: float) -> torch.Tensor:
+    return torch.exp(-(torch.arange(1, block) - 1) / gamma)
+
+
+def sample_anchors(length: int, response_start: int, block: int, count: int, rng: random.Random) -> list[int]:
+    """Anchors inside the response whose whole block has labels; context is never empty."""
+    lo, hi = max(response_start, 1), length - block
+    if hi < lo:
+        return []
+    return sorted(rng.sample(range(lo, hi + 1), min(count, hi - lo + 1)))
+
+
+def block_loss(drafter, tokens, features, anchors, weights):
+    """Weighted cross-entropy and top-1 hits per position for one sequence's blocks."""
+    s = drafter.block_size
+    logits = drafter.block_logits(features, tokens, anchors).float()  # [A, S-1, V]
+    labels = tokens[anchors[:, None] + torch.arange(1, s)]  # [A, S-1]
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    loss = (ce.view_as(labels) * weights).sum() / (weights.sum() * len(anchors))
+    hits = (logits.argmax(-1) == labels).float().sum(0)  # [S-1]
+    return loss, hits
+
+
+@torch.no_grad()
+def evaluate_accuracy(drafter, sequences, cfg: TrainConfig, anchors_per_sequence: int = 16) -> list[float]:
+    """Held-out top-1 accuracy per block position (1 ... B-1)."""
+    rng = random.Random(1234)
+    weights = position_weights(cfg.block_size, cfg.gamma)
+    hits, count = torch.zeros(cfg.block_size - 1), 0
+    for tokens, features, start in sequences:
+        anchors = sample_anchors(len(tokens), start, cfg.block_size, anchors_per_sequence, rng)
+        if anchors:
+            _, h = block_loss(drafter, tokens, features.float(), torch.tensor(anchors), weights)
+            hits += h
+            count += len(anchors)
+    return (hits / max(count, 1)).tolist()
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    loss_ema: float | None = None
+    history: list = field(default_factory=list)  # (step, loss_ema, acc@1)
+
+
+def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids, deadline: float | None = None) -> TrainState:
+    """Trains until cfg.steps or the wall-clock `deadline` (then checkpoints: run again to go on)."""
+    sequences = load_sequences(workdir)
+    if not sequences:
+        raise ValueError(f"no data in {workdir / 'data'}: run the data stage first")
+    target.model.requires_grad_(False)  # frozen: target, embedding and LM head
+    split = max(1, int(len(sequences) * cfg.held_out))
+    held_out, train_set = sequences[:split], sequences[split:]
+    ckpt_dir = workdir / "train"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = ckpt_dir / "checkpoint.pt"
+    drafter = init_drafter(target, cfg, layer_ids)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+
+    def lr_at(step):
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    state = TrainState()
+    if ckpt.is_file():
+        saved = torch.load(ckpt, weights_only=False)
+        drafter.load_state_dict(saved["drafter"])
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+        state = TrainState(**saved["state"])
+
+    def save():
+        tmp = ckpt.with_suffix(".tmp")
+        torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                    "state": asdict(state), "config": asdict(cfg)}, tmp)
+        tmp.replace(ckpt)
+
+    weights = position_weights(cfg.block_size, cfg.gamma)
+    rng = random.Random(cfg.seed * 7919 + state.step)
+    drafter.train()
+    started, trained_tokens = time.perf_counter(), 0
+    acc = torch.zeros(cfg.block_size - 1)
+    with tqdm(total=cfg.steps, initial=state.step, desc="train", unit="step") as bar:
+        while state.step < cfg.steps:
+            if deadline is not None and time.time() > deadline:
+                break
+            opt.zero_grad(set_to_none=True)
+            total, hits, anchors_seen = 0.0, torch.zeros(cfg.block_size - 1), 0
+            for tokens, features, start in rng.sample(train_set, min(cfg.sequences_per_step, len(train_set))):
+                anchors = sample_anchors(len(tokens), start, cfg.block_size, cfg.anchors_per_sequence, rng)
+                if not anchors:
+                    continue
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss, h = block_loss(drafter, tokens, features.float(), torch.tensor(anchors), weights)
+                (loss / cfg.sequences_per_step).backward()
+                total += float(loss) / cfg.sequences_per_step
+                hits += h
+                anchors_seen += len(anchors)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            state.step += 1
+            trained_tokens += anchors_seen * (cfg.block_size - 1)
+            acc = 0.9 * acc + 0.1 * hits / max(anchors_seen, 1) if state.step > 1 else hits / max(anchors_seen, 1)
+            state.loss_ema = total if state.loss_ema is None else 0.98 * state.loss_ema + 0.02 * total
+            bar.set_postfix(loss=f"{state.loss_ema:.3f}", acc="/".join(f"{a:.2f}" for a in acc[:4].tolist()),
+                            tok_s=f"{trained_tokens / (time.perf_counter() - started):.0f}")
+            bar.update(1)
+            if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
+                state.history.append((state.step, state.loss_ema, float(acc[0])))
+                save()
+    save()
+    drafter.eval()
+    return state
+
+
+# --- stage 3: export --------------------------------------------------------------------------
+
+
+def stage_export(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids, out: Path,
+                 data_note: str = "", eval_summary: str = "") -> Path:
+    saved = torch.load(workdir / "train" / "checkpoint.pt", weights_only=False)
+    drafter = init_drafter(target, cfg, layer_ids)
+    drafter.load_state_dict(saved["drafter"])
+    sequences = load_sequences(workdir)
+    held_out = sequences[: max(1, int(len(sequences) * cfg.held_out))]
+    accuracy = evaluate_accuracy(drafter.eval(), held_out, cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    drafter.to(torch.bfloat16).save(out)
+    state = saved["state"]
+    n_seq = len(sequences)
+    n_tokens = sum(len(t) for t, _, _ in sequences)
+    card = [
+        f"# DFlash drafter for {target.directory.name}",
+        "",
+        "Trained by `ddtree train-drafter` (self-distillation: the target's own greedy responses).",
+        "",
+        f"- architecture: {cfg.num_layers} layers, block size {cfg.block_size}, target layers {list(layer_ids)}, "
+        f"mask token {drafter.config.mask_token_id}; weights bf16",
+        f"- data: {n_seq} sequences, {n_tokens} tokens ({data_note or 'see the training command'}); "
+        f"held out: the first {len(held_out)} sequences",
+        f"- steps: {state['step']} (batch {cfg.sequences_per_step} sequences x {cfg.anchors_per_sequence} anchors), "
+        f"final loss (EMA) {state['loss_ema']:.3f}",
+        f"- held-out top-1 accuracy per block position: {', '.join(f'{a:.2f}' for a in accuracy)}",
+    ]
+    if eval_summary:
+        card += ["", eval_summary]
+    (out / "README.md").write_text("\n".join(card) + "\n")
+    return out
+
+
+# --- evaluation -------------------------------------------------------------------------------
+
+
+class _Recorder:
+    """Wraps a drafter and keeps, per draft, the bonus position and its top-1 per depth."""
+
+    def __init__(self, drafter):
+        self.drafter, self.block_size, self.target_layer_ids = drafter, drafter.block_size, drafter.target_layer_ids
+        self.drafts: list[tuple[int, list[int]]] = []
+
+    def new_cache(self, batch, slots):
+        return self.drafter.new_cache(batch, slots)
+
+    def draft(self, cache, features, bonus, start):
+        logprobs = self.drafter.draft(cache, features, bonus, start)
+        self.drafts.append((int(start[0]), logprobs[0].argmax(-1).tolist()))
+        return logprobs
+
+
+def eval_drafter(target: LoadedTarget, drafter, prompts: list[str], max_tokens: int, budgets: list) -> dict:
+    """Held-out tau per budget (greedy: each round's accepted length is the deepest tree path
+    matching the target's own continuation) and top-1 accuracy per block position."""
+    from .config import SamplingParams
+    from .workers.coordinator import Coordinator, Request
+
+    tok = target.tokenizer
+    eos = (tok.eos_token_id,)
+    requests = [
+        Request(tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True),
+                           add_special_tokens=False), max_tokens, eos_token_ids=eos, sampling=SamplingParams())
+        for p in prompts
+    ]
+    reference = Coordinator(target.model).generate(requests)
+    recorder = _Recorder(drafter)
+    tau = {}
+    hits, counts = [0] * (drafter.block_size - 1), [0] * (drafter.block_size - 1)
+    for budget in tqdm(budgets, desc="eval", unit="budget"):
+        rounds = tokens = 0
+        for req, ref in zip(requests, reference):
+            recorder.drafts.clear()
+            result = Coordinator(target.model, recorder, budget).generate([req])[0]
+            assert result.tokens == ref.tokens, "speculation changed a token: not lossless"
+            rounds += len(result.rounds)
+            tokens += len(result.tokens) - 1
+            if budget == budgets[0]:
+                seq = req.prompt + ref.tokens
+                for start, top1 in recorder.drafts:
+                    for d, token in enumerate(top1, start=1):
+                        if start + d < len(seq):
+                            hits[d - 1] += token == seq[start + d]
+                            counts[d - 1] += 1
+        tau[str(budget)] = tokens / rounds if rounds else 0.0
+    return {"tau": tau, "accuracy": [h / c if c else 0.0 for h, c in zip(hits, counts)], "prompts": len(prompts)}

@@ -1,0 +1,105 @@
+"""`ddtree train-drafter` end to end on a tiny random target: data, train (and resume), export,
+then the exported drafter loads, drafts and is evaluated losslessly."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+
+from ddtree.training import (
+    TrainConfig,
+    block_loss,
+    eval_drafter,
+    init_drafter,
+    load_sequences,
+    position_weights,
+    sample_anchors,
+    stage_data,
+    stage_export,
+    stage_train,
+)
+from ddtree.workers.drafter import DFlashDrafter
+from ddtree.workers.loading import load_target
+
+LAYERS = (0,)  # the tiny target has 2 layers; the last one cannot be captured (see stage_data)
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_chat_model, tmp_path_factory):
+    work = tmp_path_factory.mktemp("train-drafter")
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question": f"What is {i} plus {i + 3}?"}) for i in range(6)))
+    target = load_target(tiny_chat_model, torch.float32)
+    stage_data(target, work, [str(prompts)], 6, 2, LAYERS, max_tokens=24, batch=4, seed=0)
+    cfg = TrainConfig(block_size=4, num_layers=1, steps=40, sequences_per_step=2, anchors_per_sequence=8,
+                      warmup=5, lr=3e-3, checkpoint_every=20, held_out=0.15, mask_token_id=16)
+    before = init_drafter(target, cfg, LAYERS)
+    state = stage_train(target, work, cfg, LAYERS)
+    return target, work, cfg, before, state
+
+
+def fixed_batch_loss(drafter, sequences, cfg):
+    rng = random.Random(5)
+    weights = position_weights(cfg.block_size, cfg.gamma)
+    losses = []
+    with torch.no_grad():
+        for tokens, features, start in sequences:
+            anchors = sample_anchors(len(tokens), start, cfg.block_size, 8, rng)
+            if anchors:
+                losses.append(float(block_loss(drafter, tokens, features.float(), torch.tensor(anchors), weights)[0]))
+    return sum(losses) / len(losses)
+
+
+def test_data_stage_captures_features_for_every_token(trained):
+    target, work, *_ = trained
+    sequences = load_sequences(work)
+    assert len(sequences) == 8  # 6 file prompts + 2 the target wrote
+    for tokens, features, start in sequences:
+        assert features.shape == (len(tokens), len(LAYERS) * target.model.config.hidden_size)
+        assert 0 < start < len(tokens)
+
+
+def test_data_features_are_the_targets_own(trained):
+    """Features captured during batched generation equal our model's layer outputs on the
+    same tokens (fp16 storage, left padding in the batch)."""
+    target, work, *_ = trained
+    tokens, features, _ = load_sequences(work)[0]
+    n = len(tokens)
+    out = target.model(tokens[None], torch.arange(n)[None], target.model.prefill_mask(n), target.model.new_cache(1, n), capture_layers=LAYERS)
+    torch.testing.assert_close(features.float(), out.features[0], rtol=2e-2, atol=2e-2)
+
+
+def test_training_lowers_the_loss_and_resumes(trained):
+    target, work, cfg, before, state = trained
+    assert state.step == 40
+    sequences = load_sequences(work)
+    saved = torch.load(work / "train" / "checkpoint.pt", weights_only=False)
+    after = init_drafter(target, cfg, LAYERS)
+    after.load_state_dict(saved["drafter"])
+    assert fixed_batch_loss(after, sequences, cfg) < 0.8 * fixed_batch_loss(before, sequences, cfg)
+    longer = TrainConfig(**{**cfg.__dict__, "steps": 45})
+    resumed = stage_train(target, work, longer, LAYERS)
+    assert resumed.step == 45 and resumed.history[0][0] == 20, "resumed from the step-40 checkpoint"
+
+
+def test_export_loads_drafts_and_evaluates(trained, tmp_path):
+    target, work, cfg, *_ = trained
+    out = stage_export(target, work, cfg, LAYERS, tmp_path / "export", data_note="test prompts")
+    assert (out / "README.md").read_text().startswith("# DFlash drafter")
+    config = json.loads((out / "config.json").read_text())
+    assert config["dflash_config"]["target_layer_ids"] == list(LAYERS) and config["block_size"] == 4
+    drafter = DFlashDrafter.load(out, target.model)
+    report = eval_drafter(target, drafter, ["What is 2 plus 5?", "Hello"], 12, ["chain", 4])
+    assert set(report["tau"]) == {"chain", "4"} and all(t >= 1.0 for t in report["tau"].values())
+    assert len(report["accuracy"]) == 3
+
+
+def test_the_last_layer_cannot_be_captured(tiny_chat_model, tmp_path):
+    """Regression: transformers hands back the last layer's output after the final norm, so
+    features of that layer captured during generation would not be what drafting reads."""
+    target = load_target(tiny_chat_model, torch.float32)
+    with pytest.raises(ValueError, match="last"):
+        stage_data(target, tmp_path, [], 0, 0, (0, 1), max_tokens=4, batch=2, seed=0)
