@@ -58,9 +58,7 @@ def build_tree(root_token: int, logprobs: torch.Tensor, budget: int, top_k: int 
     k = min(top_k if top_k is not None else budget, vocab)
     if budget <= 0 or depth_count == 0 or k <= 0:
         return Tree.root_only(root_token)
-    sorted_lp, sorted_tok = torch.sort(logprobs.double(), dim=-1, descending=True, stable=True)
-    lp = sorted_lp[:, :k].tolist()
-    tok = sorted_tok[:, :k].tolist()
+    lp, tok = _top_k_by_id(logprobs.double(), k)
 
     tokens, parents, depths, scores = [root_token], [-1], [0], [0.0]
     # heap entry: (-score, insertion order, parent node, depth (1-based), rank at that depth)
@@ -80,6 +78,20 @@ def build_tree(root_token: int, logprobs: torch.Tensor, budget: int, top_k: int 
             heapq.heappush(heap, (-(scores[node] + lp[depth][0]), order, node, depth + 1, 0))
             order += 1
     return Tree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths))
+
+
+def _top_k_by_id(logprobs: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """Per row, the k largest log-probs and their tokens, equal values ranked by token id: the
+    first k of a stable descending sort, computed on the candidates at least as large as the
+    k-th value instead of sorting the whole vocabulary."""
+    kth = logprobs.topk(k, dim=-1).values[:, -1]
+    values, tokens = [], []
+    for row, threshold in zip(logprobs, kth.tolist()):
+        ids = (row >= threshold).nonzero().squeeze(-1)  # ascending ids, ties with the k-th included
+        top, order = row[ids].sort(descending=True, stable=True)
+        values.append(top[:k].tolist())
+        tokens.append(ids[order[:k]].tolist())
+    return values, tokens
 
 
 def chain_tree(root_token: int, logprobs: torch.Tensor) -> Tree:
