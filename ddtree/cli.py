@@ -156,7 +156,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
     workdir = Path(args.workdir)
     target = load_target(args.model, torch.float32)
     layers = tuple(args.target_layers) if args.target_layers else default_layer_ids(target.model.config.num_hidden_layers)
-    cfg = TrainConfig(block_size=args.block_size, num_layers=args.layers, target_layer_ids=layers,
+    cfg = TrainConfig(block_size=args.block_size, num_layers=args.layers,
                       mask_token_id=args.mask_token_id, steps=args.steps, seed=args.seed)
     stages = ["data", "train", "export"] if args.stage == "all" else [args.stage]
     if "data" in stages:

@@ -6,9 +6,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-DTYPES = {"float32": "float32", "float64": "float64", "bfloat16": "bfloat16"}
-
-
 class SamplingParams(BaseModel):
     """Per-request sampling. temperature 0 is greedy (and ignores the seed)."""
 

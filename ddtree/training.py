@@ -44,7 +44,6 @@ OPENERS = (
 class TrainConfig:
     block_size: int = 8
     num_layers: int = 2
-    target_layer_ids: tuple[int, ...] | None = None  # default: 1, middle, last-but-three
     mask_token_id: int | None = None
     gamma: float = 5.0  # position weight exp(-(k-1)/gamma)
     steps: int = 3000
@@ -257,7 +256,7 @@ def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids
         raise ValueError(f"no data in {workdir / 'data'}: run the data stage first")
     target.model.requires_grad_(False)  # frozen: target, embedding and LM head
     split = max(1, int(len(sequences) * cfg.held_out))
-    held_out, train_set = sequences[:split], sequences[split:]
+    train_set = sequences[split:]  # the first `split` sequences are held out (see stage_export)
     ckpt_dir = workdir / "train"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     ckpt = ckpt_dir / "checkpoint.pt"
