@@ -36,6 +36,32 @@ class Tree:
         return cls(one([root_token]), one([-1]), one([0]))
 
 
+@dataclass(frozen=True)
+class Candidates:
+    """The drafter's K best tokens per depth: all that growing a tree reads of its output, and
+    small enough to cross a process boundary (a drafter actor returns these, never [D, V])."""
+
+    logprobs: list[list[float]]  # [D][K] descending per depth; equal values ranked by token id
+    tokens: list[list[int]]  # [D][K] the matching token ids
+
+    @classmethod
+    def top_k(cls, logprobs: torch.Tensor, k: int) -> "Candidates":
+        """From per-depth log-probs [D, V]: the first k of a stable descending sort per row,
+        computed on the tokens at least as likely as the k-th instead of the whole vocabulary."""
+        k = min(k, logprobs.shape[1])
+        if logprobs.shape[0] == 0 or k <= 0:
+            return cls([], [])
+        logprobs = logprobs.double()
+        kth = logprobs.topk(k, dim=-1).values[:, -1]
+        values, tokens = [], []
+        for row, threshold in zip(logprobs, kth.tolist()):
+            ids = (row >= threshold).nonzero().squeeze(-1)  # ascending ids, ties with the k-th included
+            top, order = row[ids].sort(descending=True, stable=True)
+            values.append(top[:k].tolist())
+            tokens.append(ids[order[:k]].tolist())
+        return cls(values, tokens)
+
+
 def build_tree(root_token: int, logprobs: torch.Tensor, budget: int, top_k: int | None = None) -> Tree:
     """Best-first DDTree over the drafter's per-depth distributions.
 
@@ -54,11 +80,17 @@ def build_tree(root_token: int, logprobs: torch.Tensor, budget: int, top_k: int 
         parents [-1, 0, 1, 0]
         depths  [0, 1, 2, 1]
     """
-    depth_count, vocab = logprobs.shape
-    k = min(top_k if top_k is not None else budget, vocab)
-    if budget <= 0 or depth_count == 0 or k <= 0:
+    k = min(top_k if top_k is not None else budget, logprobs.shape[1])
+    return grow_tree(root_token, Candidates.top_k(logprobs, k), budget)
+
+
+def grow_tree(root_token: int, candidates: Candidates, budget: int) -> Tree:
+    """The best-first heap of `build_tree`, over the drafter's top-K candidates per depth."""
+    lp, tok = candidates.logprobs, candidates.tokens
+    depth_count = len(lp)
+    if budget <= 0 or depth_count == 0 or not lp[0]:
         return Tree.root_only(root_token)
-    lp, tok = _top_k_by_id(logprobs.double(), k)
+    k = len(lp[0])
 
     tokens, parents, depths, scores = [root_token], [-1], [0], [0.0]
     # heap entry: (-score, insertion order, parent node, depth (1-based), rank at that depth)
@@ -78,20 +110,6 @@ def build_tree(root_token: int, logprobs: torch.Tensor, budget: int, top_k: int 
             heapq.heappush(heap, (-(scores[node] + lp[depth][0]), order, node, depth + 1, 0))
             order += 1
     return Tree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths))
-
-
-def _top_k_by_id(logprobs: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
-    """Per row, the k largest log-probs and their tokens, equal values ranked by token id: the
-    first k of a stable descending sort, computed on the candidates at least as large as the
-    k-th value instead of sorting the whole vocabulary."""
-    kth = logprobs.topk(k, dim=-1).values[:, -1]
-    values, tokens = [], []
-    for row, threshold in zip(logprobs, kth.tolist()):
-        ids = (row >= threshold).nonzero().squeeze(-1)  # ascending ids, ties with the k-th included
-        top, order = row[ids].sort(descending=True, stable=True)
-        values.append(top[:k].tolist())
-        tokens.append(ids[order[:k]].tolist())
-    return values, tokens
 
 
 def chain_tree(root_token: int, logprobs: torch.Tensor) -> Tree:

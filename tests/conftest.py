@@ -119,11 +119,20 @@ def accepting_model(tiny_chat_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def server(tiny_chat_model, accepting_model):
-    http_port, metrics_port = free_port(), free_port()
+def ray_cluster():
+    """One real local Ray cluster for the session (Serve apps, the distributed engine). Its
+    logical CPUs are more than the machine's two: actors here are mostly idle between calls."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, _metrics_export_port=metrics_port, object_store_memory=200 * 2**20)
+    metrics_port = free_port()
+    ray.init(num_cpus=6, include_dashboard=False, _metrics_export_port=metrics_port, object_store_memory=200 * 2**20)
+    yield {"metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(ray_cluster, tiny_chat_model, accepting_model):
+    http_port = free_port()
     from ray import serve
 
     from ddtree.serve.app import build_app
@@ -134,8 +143,7 @@ def server(tiny_chat_model, accepting_model):
     accepting = {**config, "model": str(accepting_model), "model_name": "accepting"}
     serve.run(build_app(accepting), name="accepting", route_prefix="/accepting")
     base = f"http://127.0.0.1:{http_port}"
-    yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "config": config}
+    yield {"base": base, "metrics": ray_cluster["metrics"], "config": config}
     serve.shutdown()
-    ray.shutdown()
 
 

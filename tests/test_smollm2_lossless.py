@@ -22,14 +22,12 @@ import pytest
 import torch
 
 from ddtree.config import SamplingParams
-from ddtree.kernels.sampling import processed_probs, uniform
 from ddtree.workers.coordinator import Coordinator, Request
 
 from .drafters import OracleDrafter
+from .ties import CDF_TIE, LOGIT_TIE, tie_gap
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "vicuna-bench.jsonl"
-LOGIT_TIE = 1e-3
-CDF_TIE = 1e-6
 MAX_TOKENS = 64
 SAMPLED = SamplingParams(temperature=0.7, top_p=0.9)
 
@@ -37,24 +35,6 @@ SAMPLED = SamplingParams(temperature=0.7, top_p=0.9)
 def first_prompts(n: int) -> list[str]:
     rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
     return [row["turns"][0] for row in rows[:n]]
-
-
-def next_token_logits(model, ids: list[int]) -> torch.Tensor:
-    n = len(ids)
-    out = model(torch.tensor([ids]), torch.arange(n)[None], model.prefill_mask(n), model.new_cache(1, n), logits_to_keep=1)
-    return out.logits[0, -1]
-
-
-def tie_gap(model, request: Request, seed: int | None, context: list[int]) -> float:
-    """How close the target was to choosing differently after `context`: the top-2 logit gap
-    (greedy), or the distance of the seeded draw to the nearest CDF edge (sampled)."""
-    logits = next_token_logits(model, request.prompt + context)
-    if seed is None:
-        top = logits.topk(2).values
-        return float(top[0] - top[1])
-    cdf = processed_probs(logits[None], request.sampling)[0].cumsum(-1)
-    u = uniform(seed, len(request.prompt) + len(context)) * float(cdf[-1])
-    return float((cdf - u).abs().min())
 
 
 @pytest.fixture(scope="module")

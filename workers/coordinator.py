@@ -19,10 +19,10 @@ from typing import Callable, Iterator, Literal
 import torch
 
 from ..config import GREEDY, SamplingParams
-from ..kernels.sampling import choose_tokens, is_greedy
-from ..kernels.tree import Tree, VerifyBlock, build_tree, chain_tree, compact_kv, greedy_walk, verify_block
-from .drafter import Proposer
+from ..kernels.sampling import is_greedy
+from ..kernels.tree import Tree, grow_tree
 from .model import TargetModel
+from .sessions import LocalDrafter, LocalTarget, Proposal
 
 Budget = int | Literal["chain"]
 
@@ -46,6 +46,7 @@ class RoundStats:
     verify_s: float
     commit_s: float  # walk, KV compaction, feature hand-off, stop checks
     drafted_per_depth: tuple[int, ...] = ()  # [depth - 1] -> tree nodes at that depth
+    transport_s: float = 0.0  # time in calls beyond the models' own work (Ray, serialization)
 
 
 @dataclass
@@ -75,8 +76,8 @@ class Update:
 
 @dataclass
 class _Sequence:
-    """Per-request state of the loop. Invariant between rounds: the target cache holds every
-    committed token except the pending bonus, which sits at position `cache.lengths[0]`."""
+    """Per-request state of the loop. Invariant between rounds: the target session holds every
+    committed token except the pending bonus, which sits at position `target.start`."""
 
     request: Request
     budget: Budget
@@ -90,20 +91,22 @@ class _Sequence:
 class Coordinator:
     """Drives a target and an optional drafter over a batch of requests.
 
-    The per-request state lives in `_Sequence` objects and the model caches carry a batch
-    dimension; this in-process engine runs the sequences of a batch one after another.
+    The per-request state lives in `_Sequence` objects and in one session per model (its
+    caches); the sequences of a batch run one after another. `target` and `drafter` are models
+    in this process (wrapped in LocalTarget / LocalDrafter here) or any backend with the same
+    `open` -- the distributed engine passes Ray-actor backends and runs this same loop.
     """
 
     def __init__(
         self,
-        target: TargetModel,
-        drafter: Proposer | None = None,
+        target,  # TargetModel, or a backend: open(slots, capture, q_len, static_shapes) -> session
+        drafter=None,  # Proposer, or a backend: block_size, target_layer_ids, open(slots) -> session
         budget: Budget = 0,
         static_shapes: bool = True,
         decode: Callable[[list[int]], str] | None = None,
     ):
-        self.target = target
-        self.drafter = drafter
+        self.target = LocalTarget(target) if isinstance(target, TargetModel) else target
+        self.drafter = drafter if drafter is None or hasattr(drafter, "open") else LocalDrafter(drafter)
         self.static_shapes = static_shapes
         self.decode = decode
         self.budget = self.check_budget(budget)
@@ -139,19 +142,26 @@ class Coordinator:
         if request.max_tokens < 1:
             raise ValueError("max_tokens must be at least 1")
         budget = self.check_budget(self.budget if request.budget is None else request.budget)
-        drafter = self.drafter if budget != 0 else None
-        capture = tuple(drafter.target_layer_ids) if drafter else ()
-        q_len = self.verify_len(budget)
-        slots = len(request.prompt) + request.max_tokens + q_len + 1
-        cache = self.target.new_cache(1, slots)
-        draft_cache = drafter.new_cache(1, slots) if drafter else None
-        block = VerifyBlock.allocate(q_len) if self.static_shapes else None
+        drafting = budget != 0
+        capture = self.drafter.target_layer_ids if drafting else ()
+        slots = len(request.prompt) + request.max_tokens + self.verify_len(budget) + 1
+        target = self.target.open(slots, capture, self.verify_len(budget), self.static_shapes)
+        draft = self.drafter.open(slots) if drafting else None
 
+        try:
+            yield from self._run(request, budget, target, draft)
+        finally:  # the sessions' caches go, however the request ended
+            target.close()
+            if draft is not None:
+                draft.close()
+
+    def _run(self, request: Request, budget: Budget, target, draft) -> Iterator[Update]:
         seed = None
         if not is_greedy(request.sampling):
             seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
         t0 = time.perf_counter()
-        seq = self._prefill(request, budget, seed, cache, capture)
+        step = target.prefill(request.prompt, request.sampling, seed)
+        seq = _Sequence(request, budget, seed, output=step.tokens, features=step.features)
         prefill_s = time.perf_counter() - t0
         rounds: list[RoundStats] = []
         self._check_stop(seq)
@@ -159,7 +169,7 @@ class Coordinator:
         while seq.finish_reason is None:
             yield Update(seq.output[sent:], rounds[-1] if rounds else None)
             sent = len(seq.output)
-            rounds.append(self._round(seq, cache, drafter, draft_cache, block, capture))
+            rounds.append(self._round(seq, target, draft))
         result = Result(
             tokens=seq.output,
             text=seq.text,
@@ -171,71 +181,53 @@ class Coordinator:
         )
         yield Update(seq.output[sent:], rounds[-1] if rounds else None, result)
 
-    def _prefill(self, request: Request, budget: Budget, seed: int | None, cache, capture) -> _Sequence:
-        tokens = torch.tensor([request.prompt], device=self.target.device)
-        n = tokens.shape[1]
-        out = self.target(
-            tokens,
-            torch.arange(n, device=tokens.device)[None],
-            self.target.prefill_mask(n),
-            cache,
-            capture_layers=capture,
-            logits_to_keep=1,
-        )
-        cache.lengths += n
-        first = int(choose_tokens(out.logits[0, -1:], request.sampling, seed, [n])[0])
-        return _Sequence(request, budget, seed, output=[first], features=out.features)
-
-    def _round(self, seq: _Sequence, cache, drafter, draft_cache, block: VerifyBlock | None, capture) -> RoundStats:
-        start = int(cache.lengths[0])
+    def _round(self, seq: _Sequence, target, draft) -> RoundStats:
+        start = target.start
         bonus = seq.output[-1]
 
-        # 1. Draft: one drafter pass proposes distributions for the next B-1 positions.
+        # 1. Draft: one drafter pass proposes the top-K tokens for each of the next B-1 positions.
         t0 = time.perf_counter()
-        logprobs = None
-        if drafter is not None:
-            logprobs = drafter.draft(
-                draft_cache, seq.features, torch.tensor([bonus]), torch.tensor([start])
-            )[0]
+        proposal = None
+        if draft is not None:
+            top_k = 1 if seq.budget == "chain" else seq.budget
+            proposal = draft.propose(seq.features, bonus, start, top_k)
             seq.features = None
         t1 = time.perf_counter()
 
         # 2. Build the tree (root only for plain decoding).
-        tree = self._tree(bonus, logprobs, seq.budget)
+        tree = self._tree(bonus, proposal, seq.budget)
         t2 = time.perf_counter()
 
-        # 3. Verify: one target pass over the whole tree, padded to the static length.
-        vb = block.fill(tree, start) if block is not None else verify_block(tree, start)
-        out = self.target(
-            vb.tokens[None], vb.positions[None], vb.mask[None], cache, capture_layers=capture
-        )
+        # 3-4. Verify and walk, on the target's side: one pass over the whole tree, the target's
+        #      choice at every node, the path it agrees with; its KV rows are compacted there.
+        step = target.verify(tree, seq.request.sampling, seq.seed)
         t3 = time.perf_counter()
 
-        # 4. Walk: the target chooses a token at every node (argmax, or the seeded draw for the
-        #    position after the node); follow the path it agrees with, then its bonus token.
-        after = (start + tree.depths + 1).tolist()
-        choices = choose_tokens(out.logits[0, : vb.num_nodes], seq.request.sampling, seq.seed, after)
-        walk = greedy_walk(tree, choices)
-
-        # 5. Commit: keep the path's KV rows, hand its features to the drafter, emit tokens.
-        compact_kv(cache.k, cache.v, 0, start, walk.path)
-        cache.lengths += len(walk.path)
-        if out.features is not None:
-            seq.features = out.features[:, walk.path]
-        seq.output.extend(tree.tokens[walk.path[1:]].tolist())
-        seq.output.append(walk.bonus)
+        # 5. Commit: hand the path's features to the drafter, emit tokens, check stops.
+        seq.features = step.features
+        seq.output.extend(step.tokens)
         self._check_stop(seq)
         t4 = time.perf_counter()
+        draft_s = proposal.draft_s if proposal else 0.0
+        transport_s = (t1 - t0 - draft_s) + (t3 - t2 - step.forward_s - step.walk_s)
         per_depth = tuple(torch.bincount(tree.depths)[1:].tolist())
-        return RoundStats(tree.size, len(walk.path) - 1, t1 - t0, t2 - t1, t3 - t2, t4 - t3, per_depth)
+        return RoundStats(
+            tree.size,
+            len(step.path) - 1,
+            draft_s,
+            t2 - t1,
+            step.forward_s,
+            step.walk_s + (t4 - t3),
+            per_depth,
+            transport_s,
+        )
 
     @staticmethod
-    def _tree(bonus: int, logprobs: torch.Tensor | None, budget: Budget) -> Tree:
-        if logprobs is None:
+    def _tree(bonus: int, proposal: Proposal | None, budget: Budget) -> Tree:
+        if proposal is None:
             return Tree.root_only(bonus)
-        if budget == "chain":
-            return chain_tree(bonus, logprobs)
-        return build_tree(bonus, logprobs, budget)
+        depths = len(proposal.candidates.tokens)
+        return grow_tree(bonus, proposal.candidates, depths if budget == "chain" else budget)
 
     def _check_stop(self, seq: _Sequence) -> None:
         """Cuts the output at the first EOS, stop string or max_tokens and sets finish_reason."""

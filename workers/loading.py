@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .model import ModelConfig, TargetModel
@@ -83,7 +84,8 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
     return target
 
 
-def read_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
+def read_safetensors_dir(directory: Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, or only those in `names` (read without the others)."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -93,11 +95,16 @@ def read_safetensors_dir(directory: Path) -> dict[str, torch.Tensor]:
         raise FileNotFoundError(f"no *.safetensors in {directory}")
     state: dict[str, torch.Tensor] = {}
     for name in files:
-        state.update(load_file(str(directory / name)))
+        if names is None:
+            state.update(load_file(str(directory / name)))
+            continue
+        with safe_open(str(directory / name), framework="pt") as f:
+            state.update({key: f.get_tensor(key) for key in f.keys() if key in names})
     return state
 
 
-def load_target_weights(directory: Path, dtype: torch.dtype = torch.float32) -> TargetModel:
+def load_target_weights(directory: Path, dtype: torch.dtype = torch.float32, parallel=None) -> TargetModel:
+    """The target of a Hugging Face directory; with `parallel` (a TensorParallel), only its shard."""
     config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
     state = {
         name: tensor.to(dtype)
@@ -106,8 +113,12 @@ def load_target_weights(directory: Path, dtype: torch.dtype = torch.float32) -> 
     }
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
+    local = config
+    if parallel is not None:
+        state = parallel.spec.slice_state_dict(state, config)
+        local = parallel.spec.local_config(config)
     with torch.device("meta"):
-        model = TargetModel(config)
+        model = TargetModel(local, parallel)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -117,16 +128,41 @@ def load_target_weights(directory: Path, dtype: torch.dtype = torch.float32) -> 
     return model.eval()
 
 
-def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedTarget:
-    """`path`: a Hugging Face directory, a .gguf file, or None for the default target."""
+def load_target_heads(directory: Path, dtype: torch.dtype = torch.float32) -> TargetModel:
+    """The target's embedding, final norm and LM head without its decoder layers: what a
+    drafter in its own process shares with the target (the layers stay with the shards)."""
+    config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    names = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    state = {k: t.to(dtype) for k, t in read_safetensors_dir(directory, names).items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = TargetModel(config)
+    model.model.layers = torch.nn.ModuleList()
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model.eval()
+
+
+def target_directory(path: str | Path | None = None) -> Path:
+    """The Hugging Face directory behind `path`: itself, a .gguf de-quantized once and cached,
+    or the default target for None."""
     path = Path(path) if path is not None else default_target_path()
     if path.suffix == ".gguf":
-        directory = gguf_to_hf_dir(path)
-    elif path.is_dir():
-        directory = path
-    else:
-        raise FileNotFoundError(f"{path}: expected a checkpoint directory or a .gguf file")
+        return gguf_to_hf_dir(path)
+    if path.is_dir():
+        return path
+    raise FileNotFoundError(f"{path}: expected a checkpoint directory or a .gguf file")
+
+
+def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedTarget:
+    """`path`: a Hugging Face directory, a .gguf file, or None for the default target."""
+    directory = target_directory(path)
+    return LoadedTarget(load_target_weights(directory, dtype), load_tokenizer(directory), directory)
+
+
+def load_tokenizer(directory: Path):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    return LoadedTarget(load_target_weights(directory, dtype), tokenizer, directory)
+    return AutoTokenizer.from_pretrained(directory)

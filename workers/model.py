@@ -220,9 +220,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer, cache, span, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, span, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, layer, cache, span, mask, reduce):
+        """`reduce` sums the partial outputs of tensor-parallel shards (identity in one process)."""
+        x = x + reduce(self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, span, mask))
+        return x + reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
 class _Backbone(nn.Module):
@@ -233,19 +234,35 @@ class _Backbone(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+class SingleProcess:
+    """The whole model in this process: the full vocabulary here, nothing to reduce.
+    (workers.tensor_parallel.TensorParallel is the other implementation.)"""
+
+    vocab_offset = 0  # first vocabulary id of this process's logits
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def embed(self, table: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
+        return table(tokens)
+
+
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [B, Q_keep, V] (the last Q_keep rows of the block)
+    logits: torch.Tensor  # [B, Q_keep, V] (the last Q_keep rows; a shard: its vocabulary slice)
     features: torch.Tensor | None  # [B, Q, len(capture_layers) * H], outputs of those layers
 
 
 class TargetModel(nn.Module):
     """The target: embed -> decoder layers -> norm -> LM head, over a block that extends the
-    cache. Its KV cache is explicit and owned by the caller."""
+    cache. Its KV cache is explicit and owned by the caller. A tensor-parallel shard is this same
+    model built from the shard's local sizes (see workers.tensor_parallel), `parallel` doing the
+    sums."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, parallel=None):
         super().__init__()
         self.config = config
+        self.parallel = parallel or SingleProcess()
         self.model = _Backbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
@@ -282,10 +299,10 @@ class TargetModel(nn.Module):
             raise ValueError(f"KV cache has {cache.slots} slots; this block needs {span}")
         mask = slot_mask(cache.lengths, block_mask, span)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
-        x = self.model.embed_tokens(tokens)
+        x = self.parallel.embed(self.model.embed_tokens, tokens)
         captured = []
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, cache, span, mask[:, None])
+            x = layer(x, cos, sin, i, cache, span, mask[:, None], self.parallel.all_reduce)
             if i in capture_layers:
                 captured.append((capture_layers.index(i), x))
         keep = x[:, -logits_to_keep:] if logits_to_keep else x

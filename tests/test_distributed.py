@@ -1,0 +1,139 @@
+"""The distributed engine on a real local Ray cluster: a Coordinator actor, a Drafter actor and
+TargetShard actors summing over gloo, in one placement group.
+
+TP=2 must give TP=1's tokens: exactly on a tiny float64 model (its vocabulary of 97 splits
+unevenly, 49 + 48 ids), and on SmolLM2-135M fp32 (3 key-value heads: 2 + 1) up to the tie rule
+(tests/ties.py), greedy and seeded, at budgets 0, chain and 16.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+from ddtree.config import SamplingParams
+from ddtree.workers.coordinator import Coordinator, Request
+from ddtree.workers.distributed import DistributedEngine, WorkerDiedError, WorkerSpec
+from ddtree.workers.drafter import DFlashDrafter
+from ddtree.workers.model import ModelConfig
+from ddtree.workers.tensor_parallel import ShardSpec
+
+from .conftest import hf_greedy
+from .ties import divergence
+
+BUDGETS = [0, "chain", 16]
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95)
+
+
+def spec_for(directory, tp: int, dtype: str = "float64", drafter_dir=None) -> WorkerSpec:
+    return WorkerSpec(str(directory), drafter_dir, block_size=8, dtype=dtype, tp=tp, threads_per_worker=1)
+
+
+# --- cutting the model -------------------------------------------------------------------------
+
+
+def test_shard_specs_cover_every_head_column_and_id_once():
+    """SmolLM2-135M's 3 key-value heads over 2 shards: 2 + 1, with their query-head groups."""
+    config = ModelConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, 1e5, 1e-5, True)
+    specs = [ShardSpec.of(config, 2, r) for r in range(2)]
+    assert [s.kv_heads for s in specs] == [(0, 2), (2, 3)]
+    assert [s.heads for s in specs] == [(0, 6), (6, 9)]
+    assert [s.intermediate for s in specs] == [(0, 768), (768, 1536)]
+    assert [s.vocab for s in specs] == [(0, 24576), (24576, 49152)]
+    odd = [ShardSpec.of(config.__class__(**{**config.__dict__, "vocab_size": 97}), 3, r).vocab for r in range(3)]
+    assert odd == [(0, 33), (33, 65), (65, 97)]
+    with pytest.raises(ValueError, match="exceeds the target's 3 key-value heads"):
+        ShardSpec.of(config, 4, 0)
+
+
+# --- TP=2 == TP=1 on a tiny float64 model --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_engines(ray_cluster, tiny_checkpoint):
+    hf, model, directory = tiny_checkpoint("llama", 97)
+    engines = {tp: DistributedEngine(spec_for(directory, tp)) for tp in (1, 2)}
+    yield hf, model, engines
+    for engine in engines.values():
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_tp2_equals_tp1_exactly_on_a_tiny_float64_model(tiny_engines, budget):
+    hf, model, engines = tiny_engines
+    prompts = [[3, 14, 15, 92, 65], [2, 7, 1, 8, 28, 18, 28]]
+    for prompt in prompts:
+        greedy = Request(prompt, 24, budget=budget)
+        seeded = Request(prompt, 24, sampling=SEEDED.model_copy(update={"seed": 7}), budget=budget)
+        tp1, tp2 = (engines[tp].generate([greedy, seeded]) for tp in (1, 2))
+        assert tp2[0].tokens == tp1[0].tokens == hf_greedy(hf, prompt, 24)
+        assert tp2[1].tokens == tp1[1].tokens
+        # the in-process engine, same drafter, same seed: the same tokens again
+        local = Coordinator(model, DFlashDrafter.untrained(model, block_size=8), budget).generate([seeded])[0]
+        assert tp2[1].tokens == local.tokens
+        assert all(r.transport_s >= 0 for r in tp2[0].rounds)
+
+
+def test_a_killed_shard_ends_its_request_with_a_clear_error_and_the_next_one_succeeds(tiny_engines):
+    """A TargetShard dying mid-generation must not hang the request (its peer waits in a
+    collective that will never complete) nor poison the next one: the request fails with
+    WorkerDiedError naming the shard, and the coordinator starts fresh workers."""
+    hf, _, engines = tiny_engines
+    engine = engines[2]
+    prompt = [5, 6, 7]
+    long = Request(prompt, 400, budget=16)
+    engine.generate([Request(prompt, 2)])  # workers up
+    shard = ray.get(engine.actor.worker_handles.remote())["target shard 1"]
+
+    def kill_soon():
+        time.sleep(1.0)
+        ray.kill(shard, no_restart=True)
+
+    killer = threading.Thread(target=kill_soon)
+    killer.start()
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="target shard 1"):
+        engine.generate([long])
+    killer.join()
+    assert time.monotonic() - started < 60, "the failed request waited for a collective timeout"
+    again = engine.generate([Request(prompt, 12)])[0]
+    assert again.tokens == hf_greedy(hf, prompt, 12)
+
+
+# --- TP=2 == TP=1 on SmolLM2-135M fp32, up to the tie rule ---------------------------------------
+
+
+@pytest.mark.smollm2
+def test_tp2_equals_tp1_on_smollm2(ray_cluster, smollm2):
+    from ddtree.engine import shipped_drafter
+
+    drafter_dir = shipped_drafter()
+    local = Coordinator(smollm2.model, DFlashDrafter.load(drafter_dir, smollm2.model))
+    engine = DistributedEngine(spec_for(smollm2.directory, 2, "float32", str(drafter_dir)))
+    tok = smollm2.tokenizer
+    # one prompt greedy, another seeded; every budget
+    cases = [("What is 17 times 23? Think step by step.", SamplingParams()),
+             ("Write a haiku about the sea.", SEEDED.model_copy(update={"seed": 41}))]
+    failures, checked = [], 0
+    try:
+        for text, sampling in cases:
+            rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+            ids = tok.encode(rendered, add_special_tokens=False)
+            for budget in BUDGETS:
+                req = Request(ids, 24, eos_token_ids=(tok.eos_token_id,), sampling=sampling, budget=budget)
+                ref = local.generate([req])[0]
+                got = engine.generate([req])[0]
+                checked += 1
+                d = divergence(smollm2.model, req, ref.seed, ref.tokens, got.tokens)
+                if d is not None:
+                    print(f"budget {budget} seed {ref.seed}: token {d[0]} differs, gap {d[1]:.2e}")
+                    if not d[2]:
+                        failures.append((text, budget, ref.seed, d))
+    finally:
+        engine.shutdown()
+    assert checked == len(cases) * len(BUDGETS)
+    assert not failures, f"TP=2 diverged from TP=1 beyond a near-tie: {failures}"

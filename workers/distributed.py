@@ -1,0 +1,336 @@
+"""The distributed engine: the Coordinator as a Ray actor, driving a Drafter actor and
+TargetShard actors (tensor parallelism over torch.distributed), all in one placement group.
+
+    driver ── DistributedEngine ──> CoordinatorWorker (actor, bundle 0)
+                                      ├── DrafterWorker (actor, bundle 0)
+                                      └── TargetShardWorker × TP (actor r in bundle r),
+                                          summing over gloo (CPU) or NCCL (GPU)
+
+The loop is workers.coordinator.Coordinator, unchanged: it gets backends whose sessions forward
+each call to the actors. Per round that is one drafter call (returning the top-K candidates per
+depth, not [D, V] log-probs) and one call per shard (returning the accepted path, its tokens
+and, from shard 0, its features); full-vocabulary logits never leave the shards. The time the
+calls cost beyond the workers' own compute is reported per round as `transport_s`.
+
+If a worker dies, the request it was serving ends with WorkerDiedError, and the next request
+runs on fresh workers (the coordinator kills and recreates all of them: a process group cannot
+lose a member and go on).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import ray
+import torch
+import torch.distributed as dist
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from ..config import SamplingParams
+from ..kernels.tree import Tree
+from .coordinator import Budget, Coordinator, Request, Result
+from .drafter import DFlashDrafter
+from .loading import load_target_heads, load_target_weights, load_tokenizer
+from .model import ModelConfig
+from .sessions import DraftSession, Proposal, Step, TargetSession
+from .tensor_parallel import ShardSpec, TensorParallel
+
+PROCESS_GROUP_TIMEOUT_S = 120  # a collective waiting longer than this for a dead peer fails
+
+
+class WorkerDiedError(RuntimeError):
+    """A drafter or target-shard actor died while serving a request."""
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker needs to load its part of the model pair (sent to each actor)."""
+
+    target_dir: str  # Hugging Face directory of the target
+    drafter_dir: str | None  # DFlash checkpoint; None = the seeded untrained drafter
+    block_size: int  # block size of the untrained drafter
+    dtype: str  # "float32", "float64" or "bfloat16"
+    tp: int  # tensor-parallel shards
+    threads_per_worker: int  # torch threads of each shard (CPU)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() and ray.get_gpu_ids() else torch.device("cpu")
+
+
+# --- the workers (plain classes, made Ray actors by DistributedEngine) -----------------------
+
+
+class TargetShardWorker:
+    """Shard `rank` of the target and the KV caches of its requests."""
+
+    def __init__(self, spec: WorkerSpec, rank: int):
+        torch.set_num_threads(spec.threads_per_worker)
+        self.spec, self.rank = spec, rank
+        self.device = _device()
+        self.sessions: dict[int, TargetSession] = {}
+        self.model = None
+
+    def address(self) -> tuple[str, int]:
+        """Where shard 0 hosts the process group's rendezvous: this node's IP and a free port."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def join(self, host: str, port: int) -> None:
+        """Joins the process group (all shards call this together), then loads the shard."""
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{host}:{port}",
+            rank=self.rank,
+            world_size=self.spec.tp,
+            timeout=timedelta(seconds=PROCESS_GROUP_TIMEOUT_S),
+        )
+        directory = Path(self.spec.target_dir)
+        config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+        parallel = TensorParallel(ShardSpec.of(config, self.spec.tp, self.rank))
+        self.model = load_target_weights(directory, getattr(torch, self.spec.dtype), parallel).to(self.device)
+
+    def prefill(self, rid: int, slots: int, capture: tuple[int, ...], q_len: int, static_shapes: bool,
+                prompt: list[int], sampling: SamplingParams, seed: int | None) -> Step:
+        self.sessions[rid] = TargetSession(self.model, slots, capture, q_len, static_shapes)
+        return self._reply(self.sessions[rid].prefill(prompt, sampling, seed))
+
+    def verify(self, rid: int, tree: Tree, sampling: SamplingParams, seed: int | None) -> Step:
+        return self._reply(self.sessions[rid].verify(tree, sampling, seed))
+
+    def close(self, rid: int) -> None:
+        self.sessions.pop(rid, None)
+
+    def _reply(self, step: Step) -> Step:
+        if self.rank > 0:
+            step.features = None  # every shard has the same features; shard 0 sends them
+        elif step.features is not None:
+            step.features = step.features.cpu()
+        return step
+
+
+class DrafterWorker:
+    """The DFlash drafter with the target's embedding and LM head (not its layers)."""
+
+    def __init__(self, spec: WorkerSpec):
+        torch.set_num_threads(spec.threads_per_worker)
+        heads = load_target_heads(Path(spec.target_dir), getattr(torch, spec.dtype)).to(_device())
+        self.drafter = (
+            DFlashDrafter.load(spec.drafter_dir, heads)
+            if spec.drafter_dir
+            else DFlashDrafter.untrained(heads, block_size=spec.block_size)
+        )
+        self.sessions: dict[int, DraftSession] = {}
+
+    def shape(self) -> tuple[int, tuple[int, ...]]:
+        return self.drafter.block_size, tuple(self.drafter.target_layer_ids)
+
+    def propose(self, rid: int, slots: int, features, bonus: int, start: int, top_k: int) -> Proposal:
+        if rid not in self.sessions:
+            self.sessions[rid] = DraftSession(self.drafter, slots)
+        return self.sessions[rid].propose(features, bonus, start, top_k)
+
+    def close(self, rid: int) -> None:
+        self.sessions.pop(rid, None)
+
+
+# --- backends: the Coordinator's view of the actors --------------------------------------------
+
+
+def _get(refs: list, who: list[str]):
+    """ray.get that fails fast: the first dead worker raises WorkerDiedError at once, without
+    waiting for its peers (which may be stuck in a collective with it)."""
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        try:
+            ray.get(done[0])
+        except (RayActorError, RayTaskError) as e:
+            name = who[refs.index(done[0])]
+            raise WorkerDiedError(f"{name} failed during the request: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    return ray.get(refs)
+
+
+class RemoteTargetSession:
+    def __init__(self, shards: list, rid: int, slots: int, capture, q_len: int, static_shapes: bool):
+        self.shards, self.rid = shards, rid
+        self.names = [f"target shard {r}" for r in range(len(shards))]
+        self.opening = (slots, tuple(capture), q_len, static_shapes)
+        self.start = 0  # slot of the pending bonus, tracked from the steps
+
+    def prefill(self, prompt, sampling, seed) -> Step:
+        steps = _get([s.prefill.remote(self.rid, *self.opening, prompt, sampling, seed) for s in self.shards], self.names)
+        self.start = len(prompt)
+        return self._agreed(steps)
+
+    def verify(self, tree: Tree, sampling, seed) -> Step:
+        steps = _get([s.verify.remote(self.rid, tree, sampling, seed) for s in self.shards], self.names)
+        step = self._agreed(steps)
+        self.start += len(step.path)
+        return step
+
+    def close(self) -> None:
+        for s in self.shards:
+            s.close.remote(self.rid)
+
+    @staticmethod
+    def _agreed(steps: list[Step]) -> Step:
+        """Shard 0's step; every shard chose the same tokens (they gather the same values)."""
+        if any(s.tokens != steps[0].tokens or s.path != steps[0].path for s in steps):
+            raise RuntimeError(f"target shards disagree: {[s.tokens for s in steps]}")
+        step = steps[0]
+        step.forward_s = max(s.forward_s for s in steps)
+        step.walk_s = max(s.walk_s for s in steps)
+        return step
+
+
+class RemoteDraftSession:
+    def __init__(self, drafter, rid: int, slots: int):
+        self.drafter, self.rid, self.slots = drafter, rid, slots
+
+    def propose(self, features, bonus: int, start: int, top_k: int) -> Proposal:
+        ref = self.drafter.propose.remote(self.rid, self.slots, features, bonus, start, top_k)
+        return _get([ref], ["drafter"])[0]
+
+    def close(self) -> None:
+        self.drafter.close.remote(self.rid)
+
+
+class ShardedTarget:
+    def __init__(self, shards: list):
+        self.shards = shards
+        self.ids = itertools.count()
+
+    def open(self, slots, capture, q_len, static_shapes) -> RemoteTargetSession:
+        return RemoteTargetSession(self.shards, next(self.ids), slots, capture, q_len, static_shapes)
+
+
+class RemoteDrafter:
+    def __init__(self, actor, block_size: int, target_layer_ids: tuple[int, ...]):
+        self.actor, self.block_size, self.target_layer_ids = actor, block_size, target_layer_ids
+        self.ids = itertools.count()
+
+    def open(self, slots: int) -> RemoteDraftSession:
+        return RemoteDraftSession(self.actor, next(self.ids), slots)
+
+
+# --- the coordinator actor ------------------------------------------------------------------
+
+
+class CoordinatorWorker:
+    """Owns the drafter and shard actors of one model instance (inside its placement group) and
+    runs the Coordinator's loop over them."""
+
+    def __init__(self, spec: WorkerSpec, budget: Budget, static_shapes: bool, group: PlacementGroup):
+        self.spec, self.budget, self.static_shapes, self.group = spec, budget, static_shapes, group
+        directory = Path(spec.target_dir)
+        has_tokenizer = any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+        self.tokenizer = load_tokenizer(directory) if has_tokenizer else None  # None: no stop strings
+        self.workers: list = []
+        self.coordinator: Coordinator | None = None
+
+    def _start_workers(self) -> None:
+        def on(bundle: int, **resources):
+            strategy = PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=bundle)
+            return dict(scheduling_strategy=strategy, **resources)
+
+        gpu = torch.cuda.is_available() or bool(ray.get_gpu_ids())
+        shards = [
+            ray.remote(TargetShardWorker)
+            .options(**on(r, num_cpus=0.5 if r == 0 else 1, num_gpus=(0.9 if r == 0 else 1) if gpu else 0))
+            .remote(self.spec, r)
+            for r in range(self.spec.tp)
+        ]
+        drafter = ray.remote(DrafterWorker).options(**on(0, num_cpus=0.25, num_gpus=0.1 if gpu else 0)).remote(self.spec)
+        self.workers = [drafter, *shards]
+        host, port = ray.get(shards[0].address.remote())
+        _get([s.join.remote(host, port) for s in shards], [f"target shard {r}" for r in range(len(shards))])
+        block_size, layer_ids = ray.get(drafter.shape.remote())
+        self.coordinator = Coordinator(
+            ShardedTarget(shards),
+            RemoteDrafter(drafter, block_size, layer_ids),
+            self.budget,
+            self.static_shapes,
+            decode=self.decode if self.tokenizer is not None else None,
+        )
+
+    def _stop_workers(self) -> None:
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers, self.coordinator = [], None
+
+    def worker_handles(self) -> dict:
+        """The live workers by name (for operators and tests)."""
+        names = ["drafter", *(f"target shard {r}" for r in range(self.spec.tp))]
+        return dict(zip(names, self.workers))
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def set_budget(self, budget: Budget) -> None:
+        self.budget = budget
+        if self.coordinator is not None:
+            self.coordinator.budget = self.coordinator.check_budget(budget)
+
+    def generate(self, requests: list[Request]) -> list[Result]:
+        return [update.result for r in requests for update in self.stream(r) if update.result is not None]
+
+    def stream(self, request: Request):
+        """The Coordinator's updates for one request (a Ray streaming generator when remote)."""
+        if self.coordinator is None:
+            self._start_workers()
+        try:
+            for update in self.coordinator.stream(request):
+                yield update
+        except WorkerDiedError:
+            self._stop_workers()  # the next request starts on fresh workers
+            raise
+
+
+class DistributedEngine:
+    """Driver-side handle: places one model instance on the local Ray cluster and runs requests."""
+
+    def __init__(self, spec: WorkerSpec, budget: Budget = 0, static_shapes: bool = True, bundles: list[dict] | None = None):
+        if not ray.is_initialized():
+            ray.init(include_dashboard=False)
+        self.spec = spec
+        gpu = bool(ray.cluster_resources().get("GPU"))
+        self.group = placement_group(bundles or cpu_bundles(spec.tp, gpu), strategy="PACK")
+        ray.get(self.group.ready())
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=0)
+        self.actor = (
+            ray.remote(CoordinatorWorker)
+            .options(num_cpus=0.25, scheduling_strategy=strategy)
+            .remote(spec, budget, static_shapes, self.group)
+        )
+
+    def generate(self, requests: list[Request]) -> list[Result]:
+        return ray.get(self.actor.generate.remote(requests))
+
+    def stream(self, request: Request):
+        """Updates of one request as the coordinator produces them."""
+        for ref in self.actor.stream.options(num_returns="streaming").remote(request):
+            yield ray.get(ref)
+
+    def set_budget(self, budget: Budget) -> None:
+        ray.get(self.actor.set_budget.remote(budget))
+
+    def shutdown(self) -> None:
+        ray.kill(self.actor)
+        remove_placement_group(self.group)
+
+
+def cpu_bundles(tp: int, gpu: bool = False) -> list[dict]:
+    """One bundle per shard; bundle 0 also holds the coordinator and the drafter."""
+    if gpu:
+        return [{"CPU": 1, "GPU": 1} for _ in range(tp)]
+    return [{"CPU": 1} for _ in range(tp)]

@@ -1,0 +1,133 @@
+"""One request's side of each model: what the Coordinator calls, in-process or through Ray.
+
+A *session* owns one request's caches on one model. The target session prefills, then verifies
+a tree per round -- forward, the target's choice at every node, the walk, and the KV compaction
+of the accepted path -- and returns only the accepted path, its tokens and its features. The
+draft session turns the target's features and the bonus into the drafter's top-K candidates per
+depth. The same session classes run inside the Ray actors of the distributed engine
+(workers.distributed); only the transport around them differs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..config import SamplingParams
+from ..kernels.tree import Candidates, Tree, VerifyBlock, compact_kv, greedy_walk, verify_block
+from .drafter import Proposer
+from .model import TargetModel
+from .tensor_parallel import choose
+
+
+@dataclass
+class Step:
+    """What a prefill or a verify committed on the target."""
+
+    tokens: list[int]  # output tokens: the accepted drafted tokens, then the bonus
+    path: list[int]  # accepted node indices, root first (empty for a prefill)
+    features: torch.Tensor | None  # [1, n, F]: features of the committed rows (prompt, or path)
+    forward_s: float  # the target's forward pass
+    walk_s: float  # token choice, walk and KV compaction
+
+
+@dataclass
+class Proposal:
+    candidates: Candidates  # the drafter's top-K per depth
+    draft_s: float  # the drafter's forward pass and top-K
+
+
+class TargetSession:
+    """One request's KV cache on a (possibly sharded) target. Invariant between calls: the
+    cache holds every committed token except the pending bonus, which sits at slot `start`."""
+
+    def __init__(self, model: TargetModel, slots: int, capture: tuple[int, ...], q_len: int, static_shapes: bool):
+        self.model = model
+        self.capture = capture
+        self.cache = model.new_cache(1, slots)
+        self.block = VerifyBlock.allocate(q_len) if static_shapes else None
+
+    @property
+    def start(self) -> int:
+        return int(self.cache.lengths[0])
+
+    def prefill(self, prompt: list[int], sampling: SamplingParams, seed: int | None) -> Step:
+        t0 = time.perf_counter()
+        tokens = torch.tensor([prompt], device=self.model.device)
+        n = tokens.shape[1]
+        positions = torch.arange(n, device=tokens.device)[None]
+        out = self.model(tokens, positions, self.model.prefill_mask(n), self.cache, self.capture, logits_to_keep=1)
+        self.cache.lengths += n
+        t1 = time.perf_counter()
+        first = int(choose(self.model.parallel, out.logits[0, -1:], sampling, seed, [n])[0])
+        return Step([first], [], out.features, t1 - t0, time.perf_counter() - t1)
+
+    def verify(self, tree: Tree, sampling: SamplingParams, seed: int | None) -> Step:
+        # Verify: one target pass over the whole tree, padded to the static length.
+        t0 = time.perf_counter()
+        start = self.start
+        vb = self.block.fill(tree, start) if self.block is not None else verify_block(tree, start)
+        out = self.model(vb.tokens[None], vb.positions[None], vb.mask[None], self.cache, self.capture)
+        t1 = time.perf_counter()
+
+        # Walk: the target chooses a token at every node (argmax, or the seeded draw for the
+        # position after the node); follow the path it agrees with, then its bonus token.
+        after = (start + tree.depths + 1).tolist()
+        choices = choose(self.model.parallel, out.logits[0, : vb.num_nodes], sampling, seed, after)
+        walk = greedy_walk(tree, choices)
+
+        # Commit on the target: keep the path's KV rows (their RoPE positions are already right).
+        compact_kv(self.cache.k, self.cache.v, 0, start, walk.path)
+        self.cache.lengths += len(walk.path)
+        features = out.features[:, walk.path] if out.features is not None else None
+        tokens = tree.tokens[walk.path[1:]].tolist() + [walk.bonus]
+        return Step(tokens, walk.path, features, t1 - t0, time.perf_counter() - t1)
+
+    def close(self) -> None:
+        self.cache = self.block = None
+
+
+class DraftSession:
+    """One request's context cache on the drafter; it holds exactly the committed tokens."""
+
+    def __init__(self, drafter: Proposer, slots: int):
+        self.drafter = drafter
+        self.cache = drafter.new_cache(1, slots)
+
+    def propose(self, features: torch.Tensor, bonus: int, start: int, top_k: int) -> Proposal:
+        t0 = time.perf_counter()
+        logprobs = self.drafter.draft(self.cache, features, torch.tensor([bonus]), torch.tensor([start]))[0]
+        return Proposal(Candidates.top_k(logprobs, top_k), time.perf_counter() - t0)
+
+    def close(self) -> None:
+        self.cache = None
+
+
+@dataclass
+class LocalTarget:
+    """The target in this process: sessions are plain objects."""
+
+    model: TargetModel
+
+    def open(self, slots: int, capture: tuple[int, ...], q_len: int, static_shapes: bool) -> TargetSession:
+        return TargetSession(self.model, slots, capture, q_len, static_shapes)
+
+
+@dataclass
+class LocalDrafter:
+    """A drafter (any Proposer) in this process."""
+
+    proposer: Proposer
+
+    @property
+    def block_size(self) -> int:
+        return self.proposer.block_size
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return tuple(self.proposer.target_layer_ids)
+
+    def open(self, slots: int) -> DraftSession:
+        return DraftSession(self.proposer, slots)
