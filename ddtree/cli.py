@@ -24,6 +24,7 @@ def _generate(args: argparse.Namespace) -> int:
             ),
             stop=args.stop or [],
             dtype=args.dtype,
+            tp=args.tp,
         )
     except ValidationError as err:
         for e in err.errors():
@@ -48,7 +49,7 @@ def _generate(args: argparse.Namespace) -> int:
             "decode_s": round(result.decode_s, 4),
             "round_time_s": {
                 phase: round(sum(getattr(r, f"{phase}_s") for r in result.rounds), 4)
-                for phase in ("draft", "tree", "verify", "commit")
+                for phase in ("draft", "tree", "verify", "commit", "transport")
             },
         }
         if args.json:
@@ -209,6 +210,32 @@ def default_drafter_path():
     return path
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from .cluster.placement import GIB, Footprint, plan
+    from .cluster.topology import Topology, read_topology
+
+    config_path = Path(args.model_config)
+    if config_path.is_dir():
+        config_path = config_path / "config.json"
+    try:
+        hf = json.loads(config_path.read_text())
+        if args.topology:
+            topology = Topology.parse(Path(args.topology).read_text())
+        else:
+            topology = read_topology()
+            if topology is None:
+                print("ddtree plan: no NVIDIA GPU here; pass --topology FILE (the output of `nvidia-smi topo -m`)", file=sys.stderr)
+                return 2
+        dtype_bytes = {"bfloat16": 2, "float16": 2, "float32": 4}[args.dtype]
+        footprint = Footprint.from_hf_config(hf, dtype_bytes, int(args.drafter_gib * GIB), args.kv_tokens)
+        chosen = plan(footprint, int(args.gpu_memory_gib * GIB), topology, max_replicas=args.max_replicas)
+    except (OSError, ValueError, KeyError) as err:
+        print(f"ddtree plan: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(chosen.to_dict(), indent=2))
+    return 0
+
+
 def _dashboards(args: argparse.Namespace) -> int:
     from .dashboards.ddtree_dashboard import dashboard_json
 
@@ -235,7 +262,7 @@ def _dashboards(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ddtree", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    gen = sub.add_parser("generate", help="generate completions for chat prompts, in-process")
+    gen = sub.add_parser("generate", help="generate completions for chat prompts (in-process, or on Ray with --tp N)")
     gen.add_argument("--prompt", action="append", required=True, help="a user message (repeatable)")
     gen.add_argument("--model", help="target: Hugging Face checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
     gen.add_argument("--drafter", help="DFlash drafter checkpoint dir (default: seeded untrained drafter)")
@@ -249,6 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--seed", type=int, help="seed of the draws; without one a random seed is used and reported")
     gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
     gen.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    gen.add_argument("--tp", type=int, default=1,
+                     help="tensor-parallel shards; N > 1 runs the distributed engine on a local Ray cluster "
+                     "(started if none): Coordinator, Drafter and N TargetShard actors")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     gen.set_defaults(func=_generate)
 
@@ -303,6 +333,17 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--budgets", default="chain,8,16,32,64")
     ev.add_argument("--json", help="write the report here")
     ev.set_defaults(func=_eval_drafter)
+
+    pl = sub.add_parser("plan", help="placement for a target on a GPU node: TP x PP, replicas, GPUs, Ray bundles")
+    pl.add_argument("--model-config", required=True, help="the target's config.json (or its checkpoint directory)")
+    pl.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of one GPU, GiB")
+    pl.add_argument("--topology", help="a saved `nvidia-smi topo -m` output (default: run it here)")
+    pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    pl.add_argument("--drafter-gib", type=float, default=1.0, help="the drafter's memory on the first GPU")
+    pl.add_argument("--kv-tokens", type=int, default=0,
+                    help="tokens of KV cache one replica must hold (concurrent requests x context)")
+    pl.add_argument("--max-replicas", type=int, help="cap the replicas (default: as many as fit)")
+    pl.set_defaults(func=_plan)
 
     dash = sub.add_parser("dashboards", help="export or push the Grafana dashboard")
     dash.add_argument("action", choices=["export", "push"])

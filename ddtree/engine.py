@@ -3,7 +3,9 @@ request (chat template, EOS, decoding). The CLI and the Serve engine deployment 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -11,7 +13,8 @@ import torch
 from .config import GenerateConfig, ModelPairConfig, SamplingParams
 from .workers.coordinator import Budget, Coordinator, Request, Result
 from .workers.drafter import DFlashDrafter
-from .workers.loading import LoadedTarget, load_target
+from .workers.loading import LoadedTarget, load_target, load_tokenizer, target_directory
+from .workers.model import ModelConfig
 
 
 SHIPPED_DRAFTER = Path(__file__).parent / "drafters" / "smollm2-135m-instruct"
@@ -22,28 +25,45 @@ def shipped_drafter() -> Path | None:
     return SHIPPED_DRAFTER if (SHIPPED_DRAFTER / "model.safetensors").is_file() else None
 
 
+def device(config: ModelPairConfig) -> torch.device:
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
 @dataclass
 class Engine:
     config: ModelPairConfig
-    target: LoadedTarget
-    coordinator: Coordinator
+    target: LoadedTarget  # its model is None when the target lives in TargetShard actors (tp > 1)
+    coordinator: Coordinator  # or a DistributedEngine (same generate / stream / budget)
 
     @classmethod
     def from_config(cls, config: ModelPairConfig) -> "Engine":
         dtype = getattr(torch, config.dtype)
-        target = load_target(config.model, dtype)
         # The drafter is loaded even at budget 0, so that a request may ask for another budget.
         drafter_path = config.drafter or (shipped_drafter() if config.model is None else None)
-        drafter = (
-            DFlashDrafter.load(drafter_path, target.model)
-            if drafter_path
-            else DFlashDrafter.untrained(target.model, block_size=config.block_size)
-        )
-        engine = cls(config, target, None)
         fixed = 0 if config.budget == "auto" else config.budget
-        engine.coordinator = Coordinator(
-            target.model, drafter, fixed, static_shapes=config.static_shapes, decode=engine.decode
-        )
+        if config.tp > 1:
+            from .workers.distributed import DistributedEngine, WorkerSpec
+
+            directory = target_directory(config.model)
+            target = LoadedTarget(None, load_tokenizer(directory), directory)  # the weights live in the shards
+            threads = max(1, torch.get_num_threads() // config.tp)
+            spec = WorkerSpec(str(directory), str(drafter_path) if drafter_path else None, config.block_size,
+                              config.dtype, config.tp, threads)
+            engine = cls(config, target, DistributedEngine(spec, fixed, config.static_shapes))
+        else:
+            target = load_target(config.model, dtype)
+            target.model.to(device(config))
+            drafter = (
+                DFlashDrafter.load(drafter_path, target.model)
+                if drafter_path
+                else DFlashDrafter.untrained(target.model, block_size=config.block_size)
+            ).to(device(config))
+            engine = cls(config, target, None)
+            engine.coordinator = Coordinator(
+                target.model, drafter, fixed, static_shapes=config.static_shapes, decode=engine.decode
+            )
         if config.budget == "auto":
             from .calibrate import calibrated_budget
 
@@ -60,9 +80,10 @@ class Engine:
         """The budget requests run at unless they ask for another (auto resolved)."""
         return self.coordinator.budget
 
-    @property
+    @cached_property
     def context_length(self) -> int:
-        return self.target.model.config.max_position_embeddings
+        config = json.loads((self.target.directory / "config.json").read_text())
+        return ModelConfig.from_hf(config).max_position_embeddings
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:

@@ -100,5 +100,5 @@ def choose_tokens(logits: torch.Tensor, params: SamplingLike, seed: int | None, 
     absolute position. logits [N, V]; positions: the position of the token each row chooses."""
     if is_greedy(params):
         return logits.argmax(dim=-1)
-    u = torch.tensor([uniform(seed, p) for p in positions], dtype=torch.float64)
+    u = torch.tensor([uniform(seed, p) for p in positions], dtype=torch.float64, device=logits.device)
     return inverse_cdf(processed_probs(logits, params), u)

@@ -30,7 +30,10 @@ def build_app(args: dict | ServeConfig | None = None) -> Application:
             "max_replicas": scaling.max_replicas,
             "target_ongoing_requests": scaling.target_ongoing_requests,
         },
-        "ray_actor_options": {"num_cpus": config.engine_num_cpus},
+        "ray_actor_options": {
+            "num_cpus": config.engine_num_cpus,
+            "num_gpus": config.engine_num_gpus if config.tp == 1 else 0,
+        },
         # the first replica loads (and maybe de-quantizes) the model: give it time
         "health_check_timeout_s": 120,
     }

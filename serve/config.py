@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..config import ModelPairConfig
 
@@ -37,7 +37,6 @@ class ServeConfig(ModelPairConfig):
     model_name: str | None = Field(
         None, description="The id clients pass as `model`; default: the target's name."
     )
-    tp: int = Field(1, ge=1, description="Tensor-parallel shards per model instance.")
     default_max_tokens: int = Field(
         256, ge=1, description="Completion tokens when a request names no max_tokens (capped by the context)."
     )
@@ -46,13 +45,10 @@ class ServeConfig(ModelPairConfig):
     )
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
     engine_num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each engine replica.")
-
-    @field_validator("tp")
-    @classmethod
-    def _tp(cls, v):
-        if v != 1:
-            raise ValueError("tp > 1 needs the distributed engine, which is not built yet; use tp: 1")
-        return v
+    engine_num_gpus: float = Field(
+        0.0, ge=0, description="GPUs Ray reserves for each engine replica at tp: 1 (at tp > 1 the "
+        "replica's placement group reserves one GPU per shard instead)."
+    )
 
     @property
     def served_name(self) -> str:

@@ -125,7 +125,7 @@ def ray_cluster():
     import ray
 
     metrics_port = free_port()
-    ray.init(num_cpus=6, include_dashboard=False, _metrics_export_port=metrics_port, object_store_memory=200 * 2**20)
+    ray.init(num_cpus=8, include_dashboard=False, _metrics_export_port=metrics_port, object_store_memory=200 * 2**20)
     yield {"metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
     ray.shutdown()
 
@@ -142,6 +142,8 @@ def server(ray_cluster, tiny_chat_model, accepting_model):
     serve.run(build_app(config), name="ddtree", route_prefix="/")
     accepting = {**config, "model": str(accepting_model), "model_name": "accepting"}
     serve.run(build_app(accepting), name="accepting", route_prefix="/accepting")
+    sharded = {**config, "model_name": "sharded", "tp": 2, "dtype": "float64"}
+    serve.run(build_app(sharded), name="sharded", route_prefix="/sharded")
     base = f"http://127.0.0.1:{http_port}"
     yield {"base": base, "metrics": ray_cluster["metrics"], "config": config}
     serve.shutdown()

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from ddtree.config import SamplingParams
+
 CLI = [sys.executable, "-m", "ddtree.cli", "generate"]
 
 
@@ -39,9 +41,28 @@ def test_generate_json_lines_and_budget_invariance():
         (["--temperature", "-0.5"], "--temperature: Input should be greater than or equal to 0"),
         (["--top-p", "1.5"], "--top-p: Input should be less than or equal to 1"),
         (["--max-tokens", "0"], "max-tokens"),
+        (["--tp", "0"], "--tp: Input should be greater than or equal to 1"),
     ],
 )
 def test_bad_arguments_get_a_clear_error(args, message):
     proc = run("--prompt", "hi", *args)
     assert proc.returncode == 2
     assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_generate_with_tp2_runs_the_distributed_engine(tiny_chat_model):
+    """`--tp 2` starts a local Ray cluster, places a Coordinator, a Drafter and two TargetShard
+    actors, and prints what the in-process engine gives (float64: exactly the same tokens)."""
+    from ddtree.config import GenerateConfig
+    from ddtree.engine import Engine
+
+    prompt = "Tell me about trees."
+    config = GenerateConfig(model=str(tiny_chat_model), dtype="float64", budget=16, max_tokens=10,
+                            sampling=SamplingParams(temperature=0.9, seed=3))
+    expected = Engine.from_config(config).generate([prompt], config)[0]
+    proc = run("--model", str(tiny_chat_model), "--dtype", "float64", "--budget", "16", "--max-tokens", "10",
+               "--json", "--prompt", prompt, "--seed", "3", "--temperature", "0.9", "--tp", "2")
+    assert proc.returncode == 0, proc.stderr
+    line = json.loads(proc.stdout.splitlines()[-1])
+    assert line["tokens"] == expected.tokens and line["text"] == expected.text
+    assert "transport" in line["round_time_s"]

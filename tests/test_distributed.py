@@ -124,7 +124,7 @@ def test_tp2_equals_tp1_on_smollm2(ray_cluster, smollm2):
             rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
             ids = tok.encode(rendered, add_special_tokens=False)
             for budget in BUDGETS:
-                req = Request(ids, 24, eos_token_ids=(tok.eos_token_id,), sampling=sampling, budget=budget)
+                req = Request(ids, 20, eos_token_ids=(tok.eos_token_id,), sampling=sampling, budget=budget)
                 ref = local.generate([req])[0]
                 got = engine.generate([req])[0]
                 checked += 1

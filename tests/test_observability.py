@@ -216,6 +216,27 @@ def test_cpu_rayservice_runs_the_serve_deploy_config():
     assert yaml.safe_load(service["spec"]["serveConfigV2"])["applications"] == local["applications"]
 
 
+@pytest.mark.parametrize("name", ["rayservice-gpu-nvlink", "rayservice-gpu-pcie"])
+def test_gpu_rayservices_use_the_placement_the_planner_chooses(name):
+    """Each GPU sample records its node and load in `ddtree.io/plan`; the planner, run on the
+    recorded topology of such a node, must choose the sample's tp and replicas per node."""
+    from ddtree.cluster.placement import GIB, Footprint, plan
+    from ddtree.cluster.topology import Topology
+
+    service = yaml.safe_load((ROOT / "cluster" / "kuberay" / f"{name}.yaml").read_text())
+    recorded = dict(kv.split("=") for kv in service["metadata"]["annotations"]["ddtree.io/plan"].split())
+    topology = Topology.parse((ROOT / "tests" / "data" / "topology" / f"{recorded['topology']}.txt").read_text())
+    hf = json.loads((ROOT / "tests" / "data" / "models" / "qwen3-8b.json").read_text())
+    chosen = plan(Footprint.from_hf_config(hf, 2, GIB, int(recorded["kv-tokens"])), int(recorded["gpu-memory-gib"]) * GIB, topology)
+    assert (chosen.tp, chosen.pp, len(chosen.replicas)) == (int(recorded["tp"]), 1, int(recorded["replicas-per-node"]))
+    args = ServeConfig.model_validate(yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"])
+    workers = service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    gpus_per_node = int(workers["rayStartParams"]["num-gpus"])
+    assert args.tp == chosen.tp and args.device == "cuda"
+    assert args.autoscaling.max_replicas == len(chosen.replicas) == gpus_per_node // (chosen.tp * chosen.pp)
+    assert args.engine_num_gpus == (1 if chosen.tp == 1 else 0)  # at tp > 1 the placement group holds the GPUs
+
+
 def test_prometheus_config_is_valid():
     promtool = shutil.which("promtool")
     assert promtool, "promtool comes with Debian's prometheus package (`make test` installs it)"

@@ -4,6 +4,7 @@ unseeded draws follow the target's distribution."""
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import math
 
 import pytest
@@ -148,7 +149,7 @@ def test_temperature_zero_ignores_the_seed_and_top_k_1_is_greedy(tiny_checkpoint
 
 # --- distribution ---------------------------------------------------------------------------
 
-VOCAB, DRAWS, FIRST = 6, 20_000, 3
+VOCAB, DRAWS, FIRST, WORKERS = 6, 20_000, 3, 2
 
 
 @pytest.fixture(scope="module")
@@ -188,18 +189,33 @@ def chi_square_p(counts: dict, expected: dict, total: int) -> float:
 
 
 def empirical_first_tokens(target, budget: int) -> dict:
+    """Counts of the first FIRST tokens over DRAWS unseeded requests, drawn by two forked
+    processes (one per core; each request is tiny, so one torch thread each). The fork carries
+    the target and any patched draw function; the draws' seeds come from os.urandom."""
+    global _JOB
+    _JOB = (target, budget)
+    with multiprocessing.get_context("fork").Pool(WORKERS) as pool:
+        parts = pool.map(_draw, [DRAWS // WORKERS] * WORKERS)
+    counts: dict = {}
+    for part in parts:
+        for key, n in part.items():
+            counts[key] = counts.get(key, 0) + n
+    return counts
+
+
+_JOB = None
+
+
+def _draw(n: int) -> dict:
+    torch.set_num_threads(1)
+    target, budget = _JOB
     drafter = DFlashDrafter.untrained(target, block_size=4, seed=1) if budget else None
     coordinator = Coordinator(target, drafter, budget)
     request = Request([1, 4, 2], FIRST, sampling=SamplingParams(temperature=1.0))
     counts: dict = {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: a second thread only adds overhead
-    try:
-        for _ in range(DRAWS):
-            key = tuple(coordinator.generate([request])[0].tokens)
-            counts[key] = counts.get(key, 0) + 1
-    finally:
-        torch.set_num_threads(threads)
+    for _ in range(n):
+        key = tuple(coordinator.generate([request])[0].tokens)
+        counts[key] = counts.get(key, 0) + 1
     return counts
 
 

@@ -198,8 +198,19 @@ def test_serve_config_file_builds_the_app():
     assert build_app(app.args) is not None
 
 
+def test_a_tp2_app_serves_what_the_in_process_engine_decodes(server, tiny_chat_model):
+    """`tp: 2` in the application's args: its engine replica places a Coordinator, a Drafter and
+    two TargetShard actors in a placement group. float64, so the streamed text equals the
+    in-process engine's exactly."""
+    sharded = openai.OpenAI(base_url=server["base"] + "/sharded/v1", api_key="unused", max_retries=0, timeout=120)
+    engine = Engine.from_config(ModelPairConfig(model=str(tiny_chat_model), budget=16, block_size=4, dtype="float64"))
+    expected = engine.coordinator.generate([engine.request(engine.render_chat(CHAT), 16, SamplingParams())])[0]
+    chunks = sharded.chat.completions.create(model="sharded", messages=CHAT, max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+
+
 def test_config_errors_name_the_field():
-    with pytest.raises(ValueError, match="tp > 1 needs the distributed engine"):
-        ServeConfig(tp=2)
+    with pytest.raises(ValueError, match="tp"):
+        ServeConfig(tp=0)
     with pytest.raises(ValueError, match="min_replicas"):
         ServeConfig(autoscaling={"min_replicas": 3, "max_replicas": 2})

@@ -27,6 +27,15 @@ from .sessions import LocalDrafter, LocalTarget, Proposal
 Budget = int | Literal["chain"]
 
 
+def check_budget(budget: Budget, has_drafter: bool) -> Budget:
+    """Returns `budget` if an engine with (or without) a drafter can run it, else ValueError."""
+    if budget != "chain" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+        raise ValueError(f"budget must be a non-negative integer or 'chain', got {budget!r}")
+    if budget != 0 and not has_drafter:
+        raise ValueError(f"budget {budget!r} needs a drafter; use budget 0 for plain decoding")
+    return budget
+
+
 @dataclass
 class Request:
     prompt: list[int]  # prompt token ids (chat template already applied)
@@ -113,11 +122,7 @@ class Coordinator:
 
     def check_budget(self, budget: Budget) -> Budget:
         """Returns `budget` if this Coordinator can run it, else raises ValueError."""
-        if budget != "chain" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
-            raise ValueError(f"budget must be a non-negative integer or 'chain', got {budget!r}")
-        if budget != 0 and self.drafter is None:
-            raise ValueError(f"budget {budget!r} needs a drafter; use budget 0 for plain decoding")
-        return budget
+        return check_budget(budget, has_drafter=self.drafter is not None)
 
     def verify_len(self, budget: Budget) -> int:
         """Q: the fixed verify length of the static-shape path (budget + 1)."""

@@ -35,8 +35,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..config import SamplingParams
 from ..kernels.tree import Tree
-from .coordinator import Budget, Coordinator, Request, Result
-from .drafter import DFlashDrafter
+from .coordinator import Budget, Coordinator, Request, Result, check_budget
+from .drafter import DFlashConfig, DFlashDrafter
 from .loading import load_target_heads, load_target_weights, load_tokenizer
 from .model import ModelConfig
 from .sessions import DraftSession, Proposal, Step, TargetSession
@@ -59,10 +59,14 @@ class WorkerSpec:
     dtype: str  # "float32", "float64" or "bfloat16"
     tp: int  # tensor-parallel shards
     threads_per_worker: int  # torch threads of each shard (CPU)
+    devices: tuple[int, ...] | None = None  # GPU index per shard rank, from the placement plan
+    # (cluster.placement); None = the GPU Ray assigns. The drafter shares shard 0's GPU.
 
 
-def _device() -> torch.device:
-    return torch.device("cuda") if torch.cuda.is_available() and ray.get_gpu_ids() else torch.device("cpu")
+def _device(spec: WorkerSpec, rank: int = 0) -> torch.device:
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", spec.devices[rank]) if spec.devices else torch.device("cuda")
 
 
 # --- the workers (plain classes, made Ray actors by DistributedEngine) -----------------------
@@ -74,7 +78,7 @@ class TargetShardWorker:
     def __init__(self, spec: WorkerSpec, rank: int):
         torch.set_num_threads(spec.threads_per_worker)
         self.spec, self.rank = spec, rank
-        self.device = _device()
+        self.device = _device(spec, rank)
         self.sessions: dict[int, TargetSession] = {}
         self.model = None
 
@@ -123,7 +127,7 @@ class DrafterWorker:
 
     def __init__(self, spec: WorkerSpec):
         torch.set_num_threads(spec.threads_per_worker)
-        heads = load_target_heads(Path(spec.target_dir), getattr(torch, spec.dtype)).to(_device())
+        heads = load_target_heads(Path(spec.target_dir), getattr(torch, spec.dtype)).to(_device(spec))
         self.drafter = (
             DFlashDrafter.load(spec.drafter_dir, heads)
             if spec.drafter_dir
@@ -239,9 +243,13 @@ class CoordinatorWorker:
         self.coordinator: Coordinator | None = None
 
     def _start_workers(self) -> None:
+        # With a plan's devices, workers pick their GPU by index: Ray must not narrow
+        # CUDA_VISIBLE_DEVICES to the one it assigned.
+        pinned = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}} if self.spec.devices else None
+
         def on(bundle: int, **resources):
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=bundle)
-            return dict(scheduling_strategy=strategy, **resources)
+            return dict(scheduling_strategy=strategy, runtime_env=pinned, **resources)
 
         gpu = torch.cuda.is_available() or bool(ray.get_gpu_ids())
         shards = [
@@ -267,6 +275,12 @@ class CoordinatorWorker:
         for w in self.workers:
             ray.kill(w, no_restart=True)
         self.workers, self.coordinator = [], None
+
+    def block_size(self) -> int:
+        """The drafter's block size (read from its checkpoint without starting the workers)."""
+        if self.spec.drafter_dir is None:
+            return self.spec.block_size
+        return DFlashConfig.from_hf(json.loads((Path(self.spec.drafter_dir) / "config.json").read_text())).block_size
 
     def worker_handles(self) -> dict:
         """The live workers by name (for operators and tests)."""
@@ -297,12 +311,15 @@ class CoordinatorWorker:
 
 
 class DistributedEngine:
-    """Driver-side handle: places one model instance on the local Ray cluster and runs requests."""
+    """Driver-side handle of one model instance on the Ray cluster (started locally if none is
+    running): its placement group and its CoordinatorWorker. It answers like the in-process
+    Coordinator (generate, stream, budget, check_budget, verify_len)."""
 
     def __init__(self, spec: WorkerSpec, budget: Budget = 0, static_shapes: bool = True, bundles: list[dict] | None = None):
         if not ray.is_initialized():
             ray.init(include_dashboard=False)
         self.spec = spec
+        self._budget = check_budget(budget, has_drafter=True)  # the drafter actor is always there
         gpu = bool(ray.cluster_resources().get("GPU"))
         self.group = placement_group(bundles or cpu_bundles(spec.tp, gpu), strategy="PACK")
         ray.get(self.group.ready())
@@ -312,6 +329,7 @@ class DistributedEngine:
             .options(num_cpus=0.25, scheduling_strategy=strategy)
             .remote(spec, budget, static_shapes, self.group)
         )
+        self.block_size = ray.get(self.actor.block_size.remote())
 
     def generate(self, requests: list[Request]) -> list[Result]:
         return ray.get(self.actor.generate.remote(requests))
@@ -321,8 +339,20 @@ class DistributedEngine:
         for ref in self.actor.stream.options(num_returns="streaming").remote(request):
             yield ray.get(ref)
 
-    def set_budget(self, budget: Budget) -> None:
+    @property
+    def budget(self) -> Budget:
+        return self._budget
+
+    @budget.setter
+    def budget(self, budget: Budget) -> None:
+        self._budget = self.check_budget(budget)
         ray.get(self.actor.set_budget.remote(budget))
+
+    def check_budget(self, budget: Budget) -> Budget:
+        return check_budget(budget, has_drafter=True)  # the drafter actor is always there
+
+    def verify_len(self, budget: Budget) -> int:
+        return self.block_size if budget == "chain" else budget + 1
 
     def shutdown(self) -> None:
         ray.kill(self.actor)

@@ -69,7 +69,8 @@ class TargetSession:
         t0 = time.perf_counter()
         start = self.start
         vb = self.block.fill(tree, start) if self.block is not None else verify_block(tree, start)
-        out = self.model(vb.tokens[None], vb.positions[None], vb.mask[None], self.cache, self.capture)
+        dev = self.model.device
+        out = self.model(vb.tokens[None].to(dev), vb.positions[None].to(dev), vb.mask[None].to(dev), self.cache, self.capture)
         t1 = time.perf_counter()
 
         # Walk: the target chooses a token at every node (argmax, or the seeded draw for the
@@ -98,7 +99,10 @@ class DraftSession:
 
     def propose(self, features: torch.Tensor, bonus: int, start: int, top_k: int) -> Proposal:
         t0 = time.perf_counter()
-        logprobs = self.drafter.draft(self.cache, features, torch.tensor([bonus]), torch.tensor([start]))[0]
+        dev = self.cache.lengths.device
+        if features is not None:
+            features = features.to(dev)
+        logprobs = self.drafter.draft(self.cache, features, torch.tensor([bonus], device=dev), torch.tensor([start], device=dev))[0]
         return Proposal(Candidates.top_k(logprobs, top_k), time.perf_counter() - t0)
 
     def close(self) -> None:

@@ -1,0 +1,94 @@
+"""Topology parsing and placement planning on recorded `nvidia-smi topo -m` matrices (in the
+tool's own tab-separated layout) of three 8-GPU nodes: NVSwitch (NV18 everywhere), PCIe with
+two NUMA nodes (PIX / NODE / SYS), and mixed (NVLink-bridged pairs, PCIe between them)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ddtree.cluster.placement import GIB, Footprint, plan
+from ddtree.cluster.topology import Link, LinkKind, Topology
+
+TOPOLOGY = Path(__file__).parent / "data" / "topology"
+
+
+def topology(name: str) -> Topology:
+    return Topology.parse((TOPOLOGY / f"{name}.txt").read_text())
+
+
+# Qwen3-8B and Qwen3-32B shapes (config.json fields), bf16.
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)
+QWEN3_32B = dict(hidden_size=5120, intermediate_size=25600, num_hidden_layers=64, num_attention_heads=64,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)
+
+
+def test_parses_links_islands_and_numa_nodes():
+    nv, pcie, mixed = topology("nvlink-8gpu"), topology("pcie-8gpu-2numa"), topology("mixed-nvlink-pairs-8gpu")
+    assert nv.link(0, 7) == Link(LinkKind.NVLINK, 18) and str(nv.link(3, 4)) == "NV18"
+    assert nv.islands() == [list(range(8))]
+    assert [pcie.link(0, j).kind.name for j in range(1, 8)] == ["PIX", "NODE", "NODE", "SYS", "SYS", "SYS", "SYS"]
+    assert pcie.islands() == [[g] for g in range(8)]
+    assert mixed.islands() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mixed.link(1, 2).kind is LinkKind.PXB and mixed.link(1, 5).kind is LinkKind.SYS
+    for t in (nv, pcie, mixed):
+        assert t.numa == {g: g // 4 for g in range(8)}
+        assert all(t.link(a, b) == t.link(b, a) for a in range(8) for b in range(8) if a != b)
+
+
+def test_rejects_what_is_not_a_topology_matrix():
+    with pytest.raises(ValueError, match="no GPU matrix"):
+        Topology.parse("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver.")
+    bad = (TOPOLOGY / "pcie-8gpu-2numa.txt").read_text().replace("PIX", "XYZ", 1)
+    with pytest.raises(ValueError, match="unknown link 'XYZ'"):
+        Topology.parse(bad)
+
+
+def test_footprint_counts_qwen3_8b_parameters():
+    """Qwen3-8B has 8.19 B parameters (its model card): 16.4 GB in bf16."""
+    assert Footprint.from_hf_config(QWEN3_8B).weight_bytes / 2 == pytest.approx(8.19e9, rel=0.01)
+
+
+def test_a_model_that_fits_one_gpu_runs_one_replica_per_gpu_everywhere():
+    for name in ("nvlink-8gpu", "pcie-8gpu-2numa", "mixed-nvlink-pairs-8gpu"):
+        p = plan(Footprint.from_hf_config(QWEN3_8B), 80 * GIB, topology(name))
+        assert (p.tp, p.pp, len(p.replicas)) == (1, 1, 8)
+        assert p.bundles() == [{"CPU": 2, "GPU": 1}]
+
+
+def test_two_gpu_model_uses_tp_inside_nvlink_and_pipeline_stages_over_pcie():
+    """Qwen3-32B (65.5 GB bf16) + KV headroom needs 2 GPUs of 80 GB."""
+    big = Footprint.from_hf_config(QWEN3_32B)
+    nv = plan(big, 80 * GIB, topology("nvlink-8gpu"))
+    assert (nv.tp, nv.pp, nv.need) == (2, 1, 2)
+    assert [r.stages for r in nv.replicas] == [((0, 1),), ((2, 3),), ((4, 5),), ((6, 7),)]
+    mixed = plan(big, 80 * GIB, topology("mixed-nvlink-pairs-8gpu"))
+    assert (mixed.tp, mixed.pp) == (2, 1)
+    assert all(mixed.replicas[i].gpus == (2 * i, 2 * i + 1) for i in range(4))  # each on its NVLink pair
+    pcie = plan(big, 80 * GIB, topology("pcie-8gpu-2numa"))
+    assert (pcie.tp, pcie.pp) == (1, 2), "over PCIe, pipeline stages beat an all-reduce per layer"
+    assert [r.stages for r in pcie.replicas] == [((0,), (1,)), ((2,), (3,)), ((4,), (5,)), ((6,), (7,))]
+    for r in pcie.replicas:  # both stages behind one PCIe switch, never across sockets
+        assert topology("pcie-8gpu-2numa").link(*r.gpus).kind is LinkKind.PIX
+    assert len(pcie.bundles()) == 2
+
+
+def test_four_gpu_model_on_the_mixed_node_keeps_tp_on_the_nvlink_pairs_and_stages_inside_a_numa_node():
+    big = Footprint(weight_bytes=int(180 * GIB), kv_heads=8)
+    t = topology("mixed-nvlink-pairs-8gpu")
+    p = plan(big, 80 * GIB, t)
+    assert (p.need, p.tp, p.pp) == (4, 2, 2)
+    assert [r.stages for r in p.replicas] == [((0, 1), (2, 3)), ((4, 5), (6, 7))]
+    assert all(t.worst_link(list(r.gpus)) is LinkKind.PXB for r in p.replicas)
+    nv = plan(big, 80 * GIB, topology("nvlink-8gpu"))
+    assert (nv.tp, nv.pp, len(nv.replicas)) == (4, 1, 2)
+
+
+def test_tp_never_exceeds_the_key_value_heads_and_too_big_a_model_is_refused():
+    few_heads = Footprint(weight_bytes=int(200 * GIB), kv_heads=2)  # needs 4 GPUs
+    p = plan(few_heads, 80 * GIB, topology("nvlink-8gpu"))
+    assert p.tp == 2 and p.pp == 2
+    with pytest.raises(ValueError, match=r"needs 13 GPUs of 80 GiB .*this node has 8"):
+        plan(Footprint(weight_bytes=int(700 * GIB), kv_heads=8), 80 * GIB, topology("nvlink-8gpu"))
