@@ -270,6 +270,8 @@ class DFlashDrafter(nn.Module):
     @torch.inference_mode()
     def draft(self, cache: DraftCache, features, bonus, start) -> torch.Tensor:
         target = self._target[0]
+        dev = self.fc.weight.device  # inputs may come from another device or process
+        features, bonus, start = features.to(dev), bonus.to(dev), start.to(dev)
         h = self.hidden(cache, features, bonus, start)[:, 1:]
         return torch.log_softmax(target.lm_head(h.to(target.dtype)).double(), dim=-1)
 

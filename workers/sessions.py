@@ -99,10 +99,7 @@ class DraftSession:
 
     def propose(self, features: torch.Tensor, bonus: int, start: int, top_k: int) -> Proposal:
         t0 = time.perf_counter()
-        dev = self.cache.lengths.device
-        if features is not None:
-            features = features.to(dev)
-        logprobs = self.drafter.draft(self.cache, features, torch.tensor([bonus], device=dev), torch.tensor([start], device=dev))[0]
+        logprobs = self.drafter.draft(self.cache, features, torch.tensor([bonus]), torch.tensor([start]))[0]
         return Proposal(Candidates.top_k(logprobs, top_k), time.perf_counter() - t0)
 
     def close(self) -> None:

@@ -1,0 +1,221 @@
+"""The tree ops over a batch of trees, each a torch reference beside its Triton kernel
+(kernels/triton_kernels.py), behind one dispatch: Triton for CUDA tensors, the reference
+otherwise (kernels.triton_support.use_triton).
+
+A batch holds B trees of different sizes, padded to Q rows each. The mask travels as compact
+metadata -- one bit per (row, column) of the tree block, W = ceil(Q / 32) int32 words per row --
+never as a dense [Q, past + Q] float mask; it is built on the device from the parent array.
+
+Worked example (one tree, Q = 4, start 10): parents [-1, 0, 0, -1], size 3 (row 3 pads) ->
+    depths    [0, 1, 1, 0]
+    positions [10, 11, 11, 10]
+    bits      [0b0001, 0b0011, 0b0101, 0b1000]   (row i: bit j set when j is i or its ancestor;
+                                                  a padding row sees only itself)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .sampling import inverse_cdf, uniform
+from .tree import Tree, ancestor_mask
+from .triton_support import use_triton
+
+
+@dataclass
+class TreeBatch:
+    tokens: torch.Tensor  # [B, Q] int64; rows >= sizes[b] are padding (their values are never read)
+    parents: torch.Tensor  # [B, Q] int64; -1 for roots and padding rows, parents[b, i] < i
+    sizes: torch.Tensor  # [B] int64, real nodes per tree (root included), 1 <= size <= Q
+
+    @classmethod
+    def of(cls, trees: list[Tree], q_len: int, device=None) -> "TreeBatch":
+        b = len(trees)
+        tokens = torch.zeros(b, q_len, dtype=torch.int64)
+        parents = torch.full((b, q_len), -1, dtype=torch.int64)
+        for row, tree in enumerate(trees):
+            if tree.size > q_len:
+                raise ValueError(f"tree {row} has {tree.size} nodes; the batch holds {q_len} rows")
+            tokens[row, : tree.size] = tree.tokens
+            parents[row, : tree.size] = tree.parents
+        sizes = torch.tensor([t.size for t in trees], dtype=torch.int64)
+        return cls(tokens.to(device), parents.to(device), sizes.to(device))
+
+
+@dataclass
+class TreeMeta:
+    depths: torch.Tensor  # [B, Q] int64 (padding: 0)
+    positions: torch.Tensor  # [B, Q] int64, start + depth (padding: start)
+    bits: torch.Tensor  # [B, Q, W] int32, bit j of row i: j is i or an ancestor of i
+
+
+@dataclass
+class WalkBatch:
+    path: torch.Tensor  # [B, Q] int64 accepted node indices, root first, -1 past length
+    length: torch.Tensor  # [B] int64, nodes on the path (>= 1: the root)
+    bonus: torch.Tensor  # [B] int64, the target's token after the path
+
+
+def words(q_len: int) -> int:
+    return math.ceil(q_len / 32)
+
+
+# --- 1. mask / position metadata ---------------------------------------------------------------
+
+
+def tree_metadata(batch: TreeBatch, start: torch.Tensor) -> TreeMeta:
+    if use_triton(batch.parents):
+        from .triton_kernels import tree_metadata_triton
+
+        return tree_metadata_triton(batch, start)
+    return tree_metadata_ref(batch, start)
+
+
+def tree_metadata_ref(batch: TreeBatch, start: torch.Tensor) -> TreeMeta:
+    b, q_len = batch.parents.shape
+    depths = torch.zeros(b, q_len, dtype=torch.int64)
+    dense = torch.zeros(b, q_len, q_len, dtype=torch.bool)
+    for row in range(b):
+        n = int(batch.sizes[row])
+        tree_mask = ancestor_mask(batch.parents[row, :n].cpu())
+        dense[row, :n, :n] = tree_mask
+        dense[row, n:, n:] = torch.eye(q_len - n, dtype=torch.bool)
+        depths[row, :n] = tree_mask.sum(-1) - 1
+    return TreeMeta(depths.to(batch.parents.device), (start.cpu()[:, None] + depths).to(batch.parents.device),
+                    pack_bits(dense).to(batch.parents.device))
+
+
+def pack_bits(dense: torch.Tensor) -> torch.Tensor:
+    """[..., Q] bool -> [..., ceil(Q/32)] int32 words, bit j % 32 of word j // 32."""
+    q_len = dense.shape[-1]
+    padded = torch.zeros(*dense.shape[:-1], words(q_len) * 32, dtype=torch.int64)
+    padded[..., :q_len] = dense.cpu().long()
+    weights = 2 ** torch.arange(32, dtype=torch.int64)
+    packed = (padded.view(*dense.shape[:-1], -1, 32) * weights).sum(-1)
+    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+
+
+def unpack_bits(bits: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Inverse of pack_bits: [..., W] int32 -> [..., q_len] bool."""
+    shifts = torch.arange(32, device=bits.device, dtype=torch.int64)
+    expanded = (bits.long()[..., None] >> shifts) & 1
+    return expanded.flatten(-2)[..., :q_len].bool()
+
+
+# --- 2. tree attention ---------------------------------------------------------------------------
+
+
+def tree_attention(q, k, v, prefix: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    if use_triton(q):
+        from .triton_kernels import tree_attention_triton
+
+        return tree_attention_triton(q, k, v, prefix, bits)
+    return tree_attention_ref(q, k, v, prefix, bits)
+
+
+def tree_attention_ref(q, k, v, prefix: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """q [B, Hq, Q, D]; k, v [B, Hkv, S, D] (a layer of the KV cache: the committed prefix in
+    slots [0, prefix[b]), the tree block's own keys in slots prefix[b] + j); bits [B, Q, W].
+    Query i sees every prefix slot and block slot prefix[b] + j when bit j of its row is set."""
+    b, _, q_len, _ = q.shape
+    span = k.shape[2]
+    mask = torch.zeros(b, q_len, span, dtype=torch.bool, device=q.device)
+    block = unpack_bits(bits, q_len)
+    for row, at in enumerate(prefix.tolist()):
+        mask[row, :, :at] = True
+        mask[row, :, at : at + q_len] = block[row]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1])
+
+
+# --- 3 and 4. walks -------------------------------------------------------------------------------
+
+
+def walk_batch(batch: TreeBatch, choices: torch.Tensor) -> WalkBatch:
+    """choices [B, Q]: the target's token at each node (argmax, or the seeded draw). From each
+    root, follow the first child (lowest index) holding the choice at the current node."""
+    if use_triton(choices):
+        from .triton_kernels import walk_batch_triton
+
+        return walk_batch_triton(batch, choices)
+    return walk_batch_ref(batch, choices)
+
+
+def walk_batch_ref(batch: TreeBatch, choices: torch.Tensor) -> WalkBatch:
+    from .tree import greedy_walk
+
+    b, q_len = batch.tokens.shape
+    path = torch.full((b, q_len), -1, dtype=torch.int64)
+    length = torch.zeros(b, dtype=torch.int64)
+    bonus = torch.zeros(b, dtype=torch.int64)
+    for row in range(b):
+        n = int(batch.sizes[row])
+        tree = Tree(batch.tokens[row, :n].cpu(), batch.parents[row, :n].cpu(), torch.zeros(n, dtype=torch.int64))
+        walk = greedy_walk(tree, choices[row, :n].cpu())
+        path[row, : len(walk.path)] = torch.tensor(walk.path)
+        length[row], bonus[row] = len(walk.path), walk.bonus
+    dev = choices.device
+    return WalkBatch(path.to(dev), length.to(dev), bonus.to(dev))
+
+
+def sampled_choices(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """probs [B, Q, V] processed probabilities (kernels.sampling.processed_probs), seeds [B]
+    int64, positions [B, Q]: the position each node's token would take (start + depth + 1) ->
+    [B, Q] the seeded inverse-CDF draw per node, the same as kernels.sampling.choose_tokens."""
+    if use_triton(probs):
+        from .triton_kernels import sampled_choices_triton
+
+        return sampled_choices_triton(probs, seeds, positions)
+    return sampled_choices_ref(probs, seeds, positions)
+
+
+def sampled_choices_ref(probs, seeds, positions) -> torch.Tensor:
+    b, q_len, vocab = probs.shape
+    u = torch.tensor(
+        [[uniform(int(seeds[r]), int(p)) for p in positions[r].tolist()] for r in range(b)], dtype=torch.float64
+    )
+    return inverse_cdf(probs.reshape(-1, vocab).double(), u.reshape(-1).to(probs.device)).view(b, q_len)
+
+
+# --- 5. KV compaction -----------------------------------------------------------------------------
+
+
+def compact_kv_batch(k, v, start: torch.Tensor, walk: WalkBatch) -> None:
+    """k, v [L, B, Hkv, S, D]: row b's slots start[b] + path[b, i] move to start[b] + i."""
+    if use_triton(k):
+        from .triton_kernels import compact_kv_batch_triton
+
+        return compact_kv_batch_triton(k, v, start, walk)
+    return compact_kv_batch_ref(k, v, start, walk)
+
+
+def compact_kv_batch_ref(k, v, start, walk: WalkBatch) -> None:
+    from .tree import compact_kv
+
+    for row in range(k.shape[1]):
+        n = int(walk.length[row])
+        compact_kv(k, v, row, int(start[row]), walk.path[row, :n].tolist())
+
+
+# --- 6. top-K log-probs ---------------------------------------------------------------------------
+
+
+def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [R, V] -> (log-probs [R, k] descending, ids [R, k]); equal values rank by id.
+    The drafter's candidates per depth, without a [R, V] softmax leaving the device."""
+    if use_triton(logits):
+        from .triton_kernels import topk_logprobs_triton
+
+        return topk_logprobs_triton(logits, k)
+    return topk_logprobs_ref(logits, k)
+
+
+def topk_logprobs_ref(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.arange(logits.shape[-1], device=logits.device).expand_as(logprobs)
+    # stable descending sort: ties keep ascending ids
+    values, order = logprobs.sort(dim=-1, descending=True, stable=True)
+    return values[:, :k], ids.gather(-1, order[:, :k])

@@ -1,0 +1,365 @@
+"""Triton kernels of the tree ops; their torch references and the dispatch are in
+kernels/batched.py. Each kernel is followed by its wrapper, which checks shapes, allocates the
+outputs and launches an explicit grid. Imported only when a kernel runs (Triton is optional on
+CPU machines); tests run these on CPU with TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .batched import TreeBatch, TreeMeta, WalkBatch, words
+from .triton_support import next_pow2
+
+
+# --- 1. mask / position metadata from the parent array ------------------------------------------
+
+
+@triton.jit
+def _tree_metadata_kernel(
+    parents_ptr, sizes_ptr, start_ptr, depths_ptr, positions_ptr, bits_ptr,
+    stride_pb, stride_db, stride_bb, stride_bq,
+    BLOCK_W: tl.constexpr,
+):
+    """One program per (tree b, row i): climb from i to the root, setting one bit per node."""
+    b = tl.program_id(0)
+    i = tl.program_id(1)
+    size = tl.load(sizes_ptr + b).to(tl.int32)
+    start = tl.load(start_ptr + b)
+    offs_w = tl.arange(0, BLOCK_W)
+    mask_words = tl.zeros([BLOCK_W], dtype=tl.int32)
+    depth = i * 0
+    if i < size:
+        node = i
+        while node >= 0:
+            mask_words = mask_words | tl.where(offs_w == node // 32, 1 << (node % 32), 0)
+            node = tl.load(parents_ptr + b * stride_pb + node).to(tl.int32)
+            depth += 1
+        depth -= 1
+    else:  # a padding row sees only itself
+        mask_words = tl.where(offs_w == i // 32, 1 << (i % 32), 0)
+    tl.store(depths_ptr + b * stride_db + i, depth.to(tl.int64))
+    tl.store(positions_ptr + b * stride_db + i, start + depth)
+    tl.store(bits_ptr + b * stride_bb + i * stride_bq + offs_w, mask_words, mask=offs_w < stride_bq)
+
+
+def tree_metadata_triton(batch: TreeBatch, start: torch.Tensor) -> TreeMeta:
+    b, q_len = batch.parents.shape
+    assert batch.sizes.shape == (b,) and start.shape == (b,)
+    dev = batch.parents.device
+    parents = batch.parents.contiguous()
+    depths = torch.empty(b, q_len, dtype=torch.int64, device=dev)
+    positions = torch.empty(b, q_len, dtype=torch.int64, device=dev)
+    w = words(q_len)
+    bits = torch.empty(b, q_len, w, dtype=torch.int32, device=dev)
+    _tree_metadata_kernel[(b, q_len)](
+        parents, batch.sizes, start.to(torch.int64).contiguous(), depths, positions, bits,
+        parents.stride(0), depths.stride(0), bits.stride(0), bits.stride(1),
+        BLOCK_W=next_pow2(w),
+    )
+    return TreeMeta(depths, positions, bits)
+
+
+# --- 2. tree attention over [committed prefix ; tree block] --------------------------------------
+
+
+@triton.jit
+def _tree_attention_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, prefix_ptr, bits_ptr,
+    stride_qb, stride_qh, stride_qq,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_oq,
+    stride_bb, stride_bq,
+    Q, HQ, GROUP, scale,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One program per (block of BLOCK_M tree rows, batch row b x query head h); flash-style
+    online softmax over key slots [0, prefix + Q); a block slot's visibility is one bit."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    kvh = h // GROUP
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    rows = offs_m < Q
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qq + offs_d[None, :],
+                mask=rows[:, None], other=0.0)
+    prefix = tl.load(prefix_ptr + b).to(tl.int32)
+    end = prefix + Q
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    k_base = k_ptr + b * stride_kb + kvh * stride_kh
+    v_base = v_ptr + b * stride_vb + kvh * stride_vh
+    for start_n in range(0, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        keys = offs_n < end
+        k = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=keys[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s.to(tl.float32) * scale
+        col = offs_n - prefix
+        in_block = (col >= 0) & (col < Q)
+        word = tl.load(bits_ptr + b * stride_bb + offs_m[:, None] * stride_bq + (col // 32)[None, :],
+                       mask=rows[:, None] & in_block[None, :], other=0)
+        bit = (word >> (col % 32)[None, :]) & 1
+        visible = (offs_n < prefix)[None, :] | (in_block[None, :] & (bit != 0))
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=keys[:, None], other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_oq + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=rows[:, None])
+
+
+def tree_attention_triton(q, k, v, prefix: torch.Tensor, bits: torch.Tensor, block_m: int = 16, block_n: int = 32):
+    """q [B, Hq, Q, D]; k, v [B, Hkv, S, D] with the block's keys at slots prefix[b] + j;
+    bits [B, Q, W] int32 -> [B, Hq, Q, D]. The last dimension of every tensor is contiguous."""
+    b, hq, q_len, d = q.shape
+    hkv = k.shape[1]
+    assert k.shape[0] == b and v.shape == k.shape and k.shape[3] == d and hq % hkv == 0
+    assert bits.shape == (b, q_len, words(q_len)) and bits.dtype == torch.int32
+    assert d in (16, 32, 64, 128, 256), f"head_dim {d} is not a supported tile width"
+    assert q.stride(3) == k.stride(3) == v.stride(3) == 1 and bits.stride(2) == 1
+    out = torch.empty_like(q)
+    grid = (triton.cdiv(q_len, block_m), b * hq)
+    _tree_attention_kernel[grid](
+        q, k, v, out, prefix.contiguous(), bits,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        bits.stride(0), bits.stride(1),
+        q_len, hq, hq // hkv, 1.0 / math.sqrt(d),
+        D=d, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+    )
+    return out
+
+
+# --- 3. the walk over a batch of trees ------------------------------------------------------------
+
+
+@triton.jit
+def _walk_kernel(
+    tokens_ptr, parents_ptr, sizes_ptr, choices_ptr, path_ptr, length_ptr, bonus_ptr,
+    stride_tb, stride_pb, stride_cb, stride_wb,
+    BLOCK_Q: tl.constexpr,
+):
+    """One program per tree: from the root, the first child holding the target's choice."""
+    b = tl.program_id(0)
+    offs = tl.arange(0, BLOCK_Q)
+    n = tl.load(sizes_ptr + b).to(tl.int32)
+    valid = offs < n
+    toks = tl.load(tokens_ptr + b * stride_tb + offs, mask=valid, other=-1)
+    pars = tl.load(parents_ptr + b * stride_pb + offs, mask=valid, other=-2)
+    tl.store(path_ptr + b * stride_wb, 0)
+    length = n * 0 + 1
+    choice = tl.load(choices_ptr + b * stride_cb)
+    nxt = tl.min(tl.where(valid & (pars == 0) & (toks == choice), offs, BLOCK_Q), 0)
+    while nxt < BLOCK_Q:
+        tl.store(path_ptr + b * stride_wb + length, nxt.to(tl.int64))
+        length += 1
+        choice = tl.load(choices_ptr + b * stride_cb + nxt)
+        nxt = tl.min(tl.where(valid & (pars == nxt) & (toks == choice), offs, BLOCK_Q), 0)
+    tl.store(length_ptr + b, length.to(tl.int64))
+    tl.store(bonus_ptr + b, choice.to(tl.int64))
+
+
+def walk_batch_triton(batch: TreeBatch, choices: torch.Tensor) -> WalkBatch:
+    b, q_len = batch.tokens.shape
+    assert choices.shape == (b, q_len)
+    dev = choices.device
+    tokens, parents, choices = batch.tokens.contiguous(), batch.parents.contiguous(), choices.to(torch.int64).contiguous()
+    path = torch.full((b, q_len), -1, dtype=torch.int64, device=dev)
+    length = torch.empty(b, dtype=torch.int64, device=dev)
+    bonus = torch.empty(b, dtype=torch.int64, device=dev)
+    _walk_kernel[(b,)](
+        tokens, parents, batch.sizes, choices, path, length, bonus,
+        tokens.stride(0), parents.stride(0), choices.stride(0), path.stride(0),
+        BLOCK_Q=next_pow2(q_len),
+    )
+    return WalkBatch(path, length, bonus)
+
+
+# --- 4. the seeded draw per node (the sampled walk's choices) ----------------------------------
+
+
+@triton.jit
+def _splitmix64(x):
+    x = x + 0x9E3779B97F4A7C15
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB
+    return x ^ (x >> 31)
+
+
+@triton.jit
+def _draw_kernel(
+    probs_ptr, seeds_ptr, positions_ptr, out_ptr, V,
+    stride_pb, stride_pq, stride_sb, stride_ob,
+    BLOCK_V: tl.constexpr,
+):
+    """One program per node: u = SplitMix64(SplitMix64(seed) ^ position) as 53 bits (the
+    reference's uniform), then the first id whose cumulative probability exceeds u x total."""
+    b = tl.program_id(0)
+    i = tl.program_id(1)
+    row = probs_ptr + b * stride_pb + i * stride_pq
+    seed = tl.load(seeds_ptr + b).to(tl.uint64, bitcast=True)
+    position = tl.load(positions_ptr + b * stride_sb + i).to(tl.uint64, bitcast=True)
+    mixed = _splitmix64(_splitmix64(seed) ^ position)
+    u = (mixed >> 11).to(tl.float64) * 1.1102230246251565e-16  # 2 ** -53
+    offs = tl.arange(0, BLOCK_V)
+    total = tl.zeros([], dtype=tl.float64)
+    for start in range(0, V, BLOCK_V):
+        total += tl.sum(tl.load(row + start + offs, mask=start + offs < V, other=0.0).to(tl.float64), 0)
+    threshold = u * total
+    seen = tl.zeros([], dtype=tl.float64)
+    chosen = V - 1  # like the reference's clamp
+    found = V * 0
+    for start in range(0, V, BLOCK_V):
+        p = tl.load(row + start + offs, mask=start + offs < V, other=0.0).to(tl.float64)
+        cdf = seen + tl.cumsum(p, 0)
+        first = tl.min(tl.where((cdf > threshold) & (start + offs < V), start + offs, V), 0)
+        take = (found == 0) & (first < V)
+        chosen = tl.where(take, first, chosen)
+        found = tl.where(take, 1, found)
+        seen += tl.sum(p, 0)
+    tl.store(out_ptr + b * stride_ob + i, chosen.to(tl.int64))
+
+
+def sampled_choices_triton(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor, block_v: int = 4096):
+    b, q_len, vocab = probs.shape
+    assert seeds.shape == (b,) and positions.shape == (b, q_len) and probs.stride(2) == 1
+    out = torch.empty(b, q_len, dtype=torch.int64, device=probs.device)
+    positions = positions.to(torch.int64).contiguous()
+    _draw_kernel[(b, q_len)](
+        probs, seeds.to(torch.int64).contiguous(), positions, out, vocab,
+        probs.stride(0), probs.stride(1), positions.stride(0), out.stride(0),
+        BLOCK_V=min(block_v, next_pow2(vocab)),
+    )
+    return out
+
+
+# --- 5. KV compaction of the accepted paths -------------------------------------------------------
+
+
+@triton.jit
+def _compact_kernel(
+    cache_ptr, start_ptr, path_ptr, length_ptr, B,
+    stride_l, stride_b, stride_h, stride_s, stride_pb,
+    D: tl.constexpr, BLOCK_Q: tl.constexpr,
+):
+    """One program per (layer, batch row, head): load every accepted row, then store them at
+    start, start + 1, ... (a path's source slot may be another path row's destination, so all
+    loads come before any store, inside one program)."""
+    lb = tl.program_id(0)
+    h = tl.program_id(1)
+    layer = lb // B
+    b = lb % B
+    n = tl.load(length_ptr + b).to(tl.int32)
+    start = tl.load(start_ptr + b)
+    offs_q = tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, D)
+    on_path = offs_q < n
+    src = tl.load(path_ptr + b * stride_pb + offs_q, mask=on_path, other=0)
+    base = cache_ptr + layer * stride_l + b * stride_b + h * stride_h
+    rows = tl.load(base + (start + src)[:, None] * stride_s + offs_d[None, :], mask=on_path[:, None])
+    tl.store(base + (start + offs_q)[:, None] * stride_s + offs_d[None, :], rows, mask=on_path[:, None])
+
+
+def compact_kv_batch_triton(k, v, start: torch.Tensor, walk: WalkBatch) -> None:
+    layers, b, h, _, d = k.shape
+    assert v.shape == k.shape and k.stride(4) == 1 and v.stride(4) == 1
+    path = walk.path.contiguous()
+    block_q = next_pow2(path.shape[1])
+    for cache in (k, v):
+        _compact_kernel[(layers * b, h)](
+            cache, start.to(torch.int64).contiguous(), path, walk.length, b,
+            cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3), path.stride(0),
+            D=d, BLOCK_Q=block_q,
+        )
+
+
+# --- 6. top-K log-probs per drafted position ------------------------------------------------------
+
+
+@triton.jit
+def _topk_blocks_kernel(
+    logits_ptr, cand_val_ptr, cand_id_ptr, block_max_ptr, block_sum_ptr, V, NB,
+    stride_lr, K: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Stage 1, one program per (row, vocabulary block): the block's max and sum of exp (for
+    the log-sum-exp) and its K best logits (equal values: lower id first)."""
+    r = tl.program_id(0)
+    blk = tl.program_id(1)
+    ids = blk * BLOCK_V + tl.arange(0, BLOCK_V)
+    x = tl.load(logits_ptr + r * stride_lr + ids, mask=ids < V, other=float("-inf")).to(tl.float32)
+    top = tl.max(x, 0)
+    tl.store(block_max_ptr + r * NB + blk, top)
+    tl.store(block_sum_ptr + r * NB + blk, tl.sum(tl.exp(x - top), 0))
+    for j in tl.static_range(K):
+        best = tl.max(x, 0)
+        at = tl.min(tl.where(x == best, ids, 2147483647), 0)
+        tl.store(cand_val_ptr + (r * NB + blk) * K + j, best)
+        tl.store(cand_id_ptr + (r * NB + blk) * K + j, at)
+        x = tl.where(ids == at, float("-inf"), x)
+
+
+@triton.jit
+def _topk_merge_kernel(
+    cand_val_ptr, cand_id_ptr, block_max_ptr, block_sum_ptr, out_val_ptr, out_id_ptr, NB,
+    K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """Stage 2, one program per row: log-sum-exp over the blocks, the K best candidates."""
+    r = tl.program_id(0)
+    offs_b = tl.arange(0, BLOCK_B)
+    bm = tl.load(block_max_ptr + r * NB + offs_b, mask=offs_b < NB, other=float("-inf"))
+    bs = tl.load(block_sum_ptr + r * NB + offs_b, mask=offs_b < NB, other=0.0)
+    top = tl.max(bm, 0)
+    lse = top + tl.log(tl.sum(bs * tl.exp(bm - top), 0))
+    offs_c = tl.arange(0, BLOCK_C)
+    n = NB * K
+    vals = tl.load(cand_val_ptr + r * n + offs_c, mask=offs_c < n, other=float("-inf"))
+    cids = tl.load(cand_id_ptr + r * n + offs_c, mask=offs_c < n, other=2147483647)
+    for j in tl.static_range(K):
+        best = tl.max(vals, 0)
+        at = tl.min(tl.where(vals == best, cids, 2147483647), 0)
+        tl.store(out_val_ptr + r * K + j, best - lse)
+        tl.store(out_id_ptr + r * K + j, at.to(tl.int64))
+        vals = tl.where(cids == at, float("-inf"), vals)
+
+
+def topk_logprobs_triton(logits: torch.Tensor, k: int, block_v: int = 4096):
+    rows, vocab = logits.shape
+    assert 1 <= k <= vocab and logits.stride(1) == 1
+    block_v = min(block_v, next_pow2(vocab))
+    nb = triton.cdiv(vocab, block_v)
+    dev = logits.device
+    cand_val = torch.empty(rows, nb, k, dtype=torch.float32, device=dev)
+    cand_id = torch.empty(rows, nb, k, dtype=torch.int32, device=dev)
+    block_max = torch.empty(rows, nb, dtype=torch.float32, device=dev)
+    block_sum = torch.empty(rows, nb, dtype=torch.float32, device=dev)
+    _topk_blocks_kernel[(rows, nb)](logits, cand_val, cand_id, block_max, block_sum, vocab, nb,
+                                    logits.stride(0), K=k, BLOCK_V=block_v)
+    values = torch.empty(rows, k, dtype=torch.float32, device=dev)
+    ids = torch.empty(rows, k, dtype=torch.int64, device=dev)
+    _topk_merge_kernel[(rows,)](cand_val, cand_id, block_max, block_sum, values, ids, nb,
+                                K=k, BLOCK_C=next_pow2(nb * k), BLOCK_B=next_pow2(nb))
+    return values, ids

@@ -1,0 +1,28 @@
+"""One dispatch for the tree ops: Triton kernels for CUDA tensors, torch references otherwise.
+
+Triton is imported lazily (the kernels live in `kernels/triton_kernels.py`), so a machine
+without it runs the references. Tests call the kernels' wrappers directly: on CPU under the
+interpreter (`TRITON_INTERPRET=1`, which tests/conftest.py sets before anything imports Triton),
+compiled on CUDA in `make gpu-check`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+
+
+@functools.cache
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """The engine's dispatch: Triton for CUDA tensors, the torch reference for the rest."""
+    return t.is_cuda and triton_available()
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
