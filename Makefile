@@ -11,7 +11,7 @@ PORT ?= 8000
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install prometheus serve generate test test-fast clean
+.PHONY: install prometheus serve generate test test-fast gpu-check clean
 
 install: $(STAMP)
 
@@ -43,6 +43,11 @@ test: install prometheus
 # Everything but the minutes-long SmolLM2 checks.
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not smollm2"
+
+# On a CUDA machine: kernel parity compiled, kernel timings, CUDA-graph verify, GPU verify-cost
+# curve, SmolLM2 end to end (benchmarks/gpu_check.py says what each part measures).
+gpu-check: install
+	$(BIN)/python benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -189,3 +189,31 @@ def test_dispatch_uses_the_reference_for_cpu_tensors(mixed_batch, monkeypatch):
     monkeypatch.setattr(tk, "tree_metadata_triton", boom)
     meta = batched.tree_metadata(batch, torch.zeros(5, dtype=torch.int64))
     assert meta.bits.shape == (5, Q_LEN, 3)
+
+
+@pytest.mark.parametrize("budget", [0, "chain", 16])
+def test_engine_on_the_kernel_path_gives_the_reference_path_tokens(tmp_path, monkeypatch, budget):
+    """The CUDA path of the engine (TreeBits into the model, tree attention, the walk, the seeded
+    draws, KV compaction, the drafter's top-K -- all Triton) run here under the interpreter by
+    routing CPU tensors to the kernels: greedy and seeded tokens equal the reference path's."""
+    if DEVICE != "cpu":
+        pytest.skip("the GPU check runs the engine on CUDA itself")
+    from ddtree.config import SamplingParams
+    from ddtree.workers import model as model_module
+    from ddtree.workers import sessions
+    from ddtree.workers.coordinator import Coordinator, Request
+    from ddtree.workers.drafter import DFlashDrafter
+    from ddtree.workers.loading import load_target_weights
+
+    from .conftest import make_hf_model
+
+    make_hf_model("qwen3", 97, head_dim=16).save_pretrained(tmp_path)  # a kernel tile is >= 16 wide
+    target = load_target_weights(tmp_path, torch.float32)
+    drafter = DFlashDrafter.untrained(target, block_size=4)
+    requests = [Request([5, 6, 7, 8], 10, budget=budget),
+                Request([9, 3], 10, sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=4), budget=budget)]
+    reference = Coordinator(target, drafter).generate(requests)
+    for module in (sessions, model_module, batched):
+        monkeypatch.setattr(module, "use_triton", lambda t: True)
+    kernels = Coordinator(target, drafter).generate(requests)
+    assert [r.tokens for r in kernels] == [r.tokens for r in reference]

@@ -213,6 +213,11 @@ class DFlashDrafter(nn.Module):
         # The target's embedding and LM head, shared, not part of the drafter's weights.
         self._target = (target,)
 
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)  # see TargetModel._apply
+        self.inv_freq = self.inv_freq.to(self.fc.weight.device)
+        return out
+
     @property
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
@@ -269,11 +274,16 @@ class DFlashDrafter(nn.Module):
 
     @torch.inference_mode()
     def draft(self, cache: DraftCache, features, bonus, start) -> torch.Tensor:
+        return torch.log_softmax(self.draft_logits(cache, features, bonus, start).double(), dim=-1)
+
+    @torch.inference_mode()
+    def draft_logits(self, cache: DraftCache, features, bonus, start) -> torch.Tensor:
+        """The block's logits [B, B_blk - 1, V] (draft() is their log-softmax)."""
         target = self._target[0]
         dev = self.fc.weight.device  # inputs may come from another device or process
         features, bonus, start = features.to(dev), bonus.to(dev), start.to(dev)
         h = self.hidden(cache, features, bonus, start)[:, 1:]
-        return torch.log_softmax(target.lm_head(h.to(target.dtype)).double(), dim=-1)
+        return target.lm_head(h.to(target.dtype))
 
     # --- checkpoints ----------------------------------------------------------------------
 

@@ -19,6 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.batched import tree_attention, unpack_bits
+from ..kernels.triton_support import use_triton
+
 FAMILIES = ("llama", "qwen3")
 
 
@@ -141,6 +144,18 @@ def attend(q, k, v, mask):
 
 
 @dataclass
+class TreeBits:
+    """The block mask as compact metadata (kernels.batched): bit j of bits[b, i] says whether
+    block row i sees block column j. On CUDA the tree-attention kernel reads it directly."""
+
+    bits: torch.Tensor  # [B, Q, ceil(Q / 32)] int32
+
+    def dense(self) -> torch.Tensor:
+        """[B, Q, Q] bool, for the reference path."""
+        return unpack_bits(self.bits, self.bits.shape[1])
+
+
+@dataclass
 class KVCache:
     """Preallocated key/value slots. Slots [0, lengths[b]) of row b hold committed tokens;
     slots past it may hold stale rows of an earlier round and are never read."""
@@ -195,7 +210,8 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, layer: int, cache: KVCache, span: int, mask):
         """x [B, Q, H]. Writes the block's keys and values at slots lengths[b] + i of `layer`,
-        then attends over slots [0, span) under mask [B, 1, Q, span]."""
+        then attends over slots [0, span) under mask [B, 1, Q, span] bool, or under TreeBits
+        (the committed prefix plus the block's ancestor bits: the Triton tree-attention kernel)."""
         b, q_len, _ = x.shape
         q = self.q_proj(x).view(b, q_len, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, q_len, self.kv_heads, self.head_dim)
@@ -205,10 +221,19 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
         v = v.transpose(1, 2)
-        for row, at in enumerate(cache.lengths.tolist()):
-            cache.k[layer, row, :, at : at + q_len] = k[row]
-            cache.v[layer, row, :, at : at + q_len] = v[row]
-        out = attend(q, cache.k[layer, :, :, :span], cache.v[layer, :, :, :span], mask)
+        if isinstance(mask, TreeBits):  # the device path: no host read of the lengths
+            slots = (cache.lengths[:, None] + torch.arange(q_len, device=x.device))[:, None, :, None]
+            slots = slots.expand(b, self.kv_heads, q_len, self.head_dim)
+            cache.k[layer].scatter_(2, slots, k.to(cache.k.dtype))
+            cache.v[layer].scatter_(2, slots, v.to(cache.v.dtype))
+        else:
+            for row, at in enumerate(cache.lengths.tolist()):
+                cache.k[layer, row, :, at : at + q_len] = k[row]
+                cache.v[layer, row, :, at : at + q_len] = v[row]
+        if isinstance(mask, TreeBits):
+            out = tree_attention(q, cache.k[layer, :, :, :span], cache.v[layer, :, :, :span], cache.lengths, mask.bits)
+        else:
+            out = attend(q, cache.k[layer, :, :, :span], cache.v[layer, :, :, :span], mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
@@ -269,6 +294,13 @@ class TargetModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
 
+    def _apply(self, fn, recurse=True):
+        """.to() / .cuda() also move the float64 rotary frequencies (a plain attribute, so that
+        dtype casts leave them float64)."""
+        out = super()._apply(fn, recurse)
+        self.inv_freq = self.inv_freq.to(self.lm_head.weight.device)
+        return out
+
     @property
     def dtype(self) -> torch.dtype:
         return self.lm_head.weight.dtype
@@ -285,7 +317,7 @@ class TargetModel(nn.Module):
         self,
         tokens: torch.Tensor,  # [B, Q] int64
         positions: torch.Tensor,  # [B, Q] int64 absolute positions (start + depth for a tree)
-        block_mask: torch.Tensor,  # [B, Q, Q] bool, row i may see column j of the block
+        block_mask,  # [B, Q, Q] bool, row i may see column j of the block; or TreeBits
         cache: KVCache,
         capture_layers: tuple[int, ...] = (),
         logits_to_keep: int = 0,  # 0 = every row
@@ -294,15 +326,22 @@ class TargetModel(nn.Module):
         values at slots lengths[b] ... lengths[b] + Q - 1. It does not advance `lengths`: the
         caller commits what it keeps (see kernels.tree.compact_kv)."""
         b, q_len = tokens.shape
-        span = int(cache.lengths.max()) + q_len
-        if span > cache.slots:
-            raise ValueError(f"KV cache has {cache.slots} slots; this block needs {span}")
-        mask = slot_mask(cache.lengths, block_mask, span)
+        if isinstance(block_mask, TreeBits) and use_triton(tokens):
+            # The device path reads no length on the host (so a CUDA graph can capture it): the
+            # kernel bounds each row's keys by its length; the caller sized the cache.
+            span, mask = cache.slots, block_mask
+        else:
+            if isinstance(block_mask, TreeBits):
+                block_mask = block_mask.dense()
+            span = int(cache.lengths.max()) + q_len
+            if span > cache.slots:
+                raise ValueError(f"KV cache has {cache.slots} slots; this block needs {span}")
+            mask = slot_mask(cache.lengths, block_mask, span)[:, None]
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
         x = self.parallel.embed(self.model.embed_tokens, tokens)
         captured = []
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, cache, span, mask[:, None], self.parallel.all_reduce)
+            x = layer(x, cos, sin, i, cache, span, mask, self.parallel.all_reduce)
             if i in capture_layers:
                 captured.append((capture_layers.index(i), x))
         keep = x[:, -logits_to_keep:] if logits_to_keep else x

@@ -16,10 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SamplingParams
+from ..kernels.batched import TreeBatch, compact_kv_batch, sampled_choices, topk_logprobs, tree_metadata, walk_batch
+from ..kernels.sampling import is_greedy, processed_probs
 from ..kernels.tree import Candidates, Tree, VerifyBlock, compact_kv, greedy_walk, verify_block
-from .drafter import Proposer
-from .model import TargetModel
-from .tensor_parallel import choose
+from ..kernels.triton_support import use_triton
+from .drafter import DFlashDrafter, Proposer
+from .model import TargetModel, TreeBits
+from .tensor_parallel import TensorParallel, choose
 
 
 @dataclass
@@ -65,6 +68,8 @@ class TargetSession:
         return Step([first], [], out.features, t1 - t0, time.perf_counter() - t1)
 
     def verify(self, tree: Tree, sampling: SamplingParams, seed: int | None) -> Step:
+        if use_triton(self.cache.k):
+            return self._verify_on_device(tree, sampling, seed)
         # Verify: one target pass over the whole tree, padded to the static length.
         t0 = time.perf_counter()
         start = self.start
@@ -86,6 +91,34 @@ class TargetSession:
         tokens = tree.tokens[walk.path[1:]].tolist() + [walk.bonus]
         return Step(tokens, walk.path, features, t1 - t0, time.perf_counter() - t1)
 
+    def _verify_on_device(self, tree: Tree, sampling: SamplingParams, seed: int | None) -> Step:
+        """The same step on CUDA with the Triton kernels: mask metadata built on the device from
+        the parent array, tree attention over compact bits, the choice at every node, the walk
+        and the KV compaction without a host round-trip per node; the host reads the path once."""
+        t0 = time.perf_counter()
+        dev = self.cache.k.device
+        q_len = self.block.tokens.shape[0] if self.block is not None else tree.size
+        batch = TreeBatch.of([tree], q_len, dev)
+        meta = tree_metadata(batch, self.cache.lengths)
+        out = self.model(batch.tokens, meta.positions, TreeBits(meta.bits), self.cache, self.capture)
+        t1 = time.perf_counter()
+        logits = out.logits[0]
+        if is_greedy(sampling) or isinstance(self.model.parallel, TensorParallel):
+            after = (meta.positions[0] + 1).tolist()
+            choices = choose(self.model.parallel, logits, sampling, seed, after)
+        else:
+            probs = processed_probs(logits, sampling)
+            seeds = torch.tensor([seed], device=dev)
+            choices = sampled_choices(probs[None], seeds, meta.positions + 1)[0]
+        walk = walk_batch(batch, choices[None])
+        compact_kv_batch(self.cache.k, self.cache.v, self.cache.lengths, walk)
+        n = int(walk.length[0])
+        path = walk.path[0, :n].tolist()
+        self.cache.lengths += n
+        features = out.features[:, path] if out.features is not None else None
+        tokens = tree.tokens[path[1:]].tolist() + [int(walk.bonus[0])]
+        return Step(tokens, path, features, t1 - t0, time.perf_counter() - t1)
+
     def close(self) -> None:
         self.cache = self.block = None
 
@@ -96,11 +129,19 @@ class DraftSession:
     def __init__(self, drafter: Proposer, slots: int):
         self.drafter = drafter
         self.cache = drafter.new_cache(1, slots)
+        self.on_device = isinstance(drafter, DFlashDrafter) and use_triton(drafter.fc.weight)
 
     def propose(self, features: torch.Tensor, bonus: int, start: int, top_k: int) -> Proposal:
         t0 = time.perf_counter()
-        logprobs = self.drafter.draft(self.cache, features, torch.tensor([bonus]), torch.tensor([start]))[0]
-        return Proposal(Candidates.top_k(logprobs, top_k), time.perf_counter() - t0)
+        bonus_t, start_t = torch.tensor([bonus]), torch.tensor([start])
+        if self.on_device:  # top-K on the GPU (Triton); only [D, K] comes back
+            logits = self.drafter.draft_logits(self.cache, features, bonus_t, start_t)[0]
+            values, ids = topk_logprobs(logits, min(top_k, logits.shape[-1]))
+            candidates = Candidates(values.double().tolist(), ids.tolist())
+        else:
+            logprobs = self.drafter.draft(self.cache, features, bonus_t, start_t)[0]
+            candidates = Candidates.top_k(logprobs, top_k)
+        return Proposal(candidates, time.perf_counter() - t0)
 
     def close(self) -> None:
         self.cache = None

@@ -1,0 +1,249 @@
+"""`make gpu-check`: everything that needs a CUDA GPU, in one run (a few minutes on an H200).
+
+1. the kernel parity tests (tests/test_kernels.py) compiled on CUDA;
+2. each kernel timed against its torch reference, and tree attention against PyTorch SDPA with
+   a dense mask;
+3. a CUDA-graph captured verify (fixed q_len; tokens, positions and mask bits copied into the
+   static buffers before every replay) against the eager path over a multi-round generation
+   whose tree size changes every round: the same tokens;
+4. the verify-cost curve T(q)/T(1), q = 1, 17, 33, 65, 129, of a randomly initialised target
+   with Qwen3-8B's shapes in bf16 (1024 committed tokens);
+5. SmolLM2-135M-Instruct end to end: tokens/s at budget 0 against the best budget.
+
+    .venv/bin/python benchmarks/gpu_check.py [--skip-tests]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cuda_ms(fn, repeat: int = 20) -> float:
+    """Median milliseconds of fn() on the GPU (after a warm-up)."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def section(title: str) -> None:
+    print(f"\n## {title}\n", flush=True)
+
+
+def parity_tests() -> int:
+    section("1. kernel parity, compiled on CUDA")
+    env = {**os.environ, "DDTREE_KERNEL_DEVICE": "cuda", "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"],
+                          cwd=ROOT, env=env)
+    return proc.returncode
+
+
+def kernel_timings() -> None:
+    from ddtree.kernels import batched
+    from ddtree.kernels import triton_kernels as tk
+    from ddtree.kernels.batched import TreeBatch
+    from ddtree.kernels.tree import build_tree
+
+    section("2. kernels against their references (median ms)")
+    dev = "cuda"
+    g = torch.Generator().manual_seed(0)
+    trees = [build_tree(1, torch.log_softmax(torch.randn(15, 1000, generator=g, dtype=torch.float64), -1), n - 1) for n in (65, 33, 17, 2)]
+    batch = TreeBatch.of(trees, 65, dev)
+    cpu_batch = TreeBatch(batch.tokens.cpu(), batch.parents.cpu(), batch.sizes.cpu())
+    start = torch.tensor([1000, 900, 1100, 50], device=dev)
+    meta = tk.tree_metadata_triton(batch, start)
+    rows = []
+    rows.append(("tree metadata (4 trees, Q 65)", cuda_ms(lambda: tk.tree_metadata_triton(batch, start)),
+                 cuda_ms(lambda: batched.tree_metadata_ref(cpu_batch, start.cpu()), 5), None))
+    for hq, hkv, d in ((32, 8, 128), (9, 3, 64)):
+        q = torch.randn(4, hq, 65, d, device=dev, dtype=torch.bfloat16)
+        k = torch.randn(4, hkv, 1200, d, device=dev, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        dense = batched.unpack_bits(meta.bits, 65)
+        mask = torch.zeros(4, 1, 65, 1200, dtype=torch.bool, device=dev)
+        for r, at in enumerate(start.tolist()):
+            mask[r, :, :, :at] = True
+            mask[r, 0, :, at : at + 65] = dense[r]
+        sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        rows.append((f"tree attention Hq {hq} Hkv {hkv} D {d}, ~1k prefix",
+                     cuda_ms(lambda: tk.tree_attention_triton(q, k, v, start, meta.bits)),
+                     cuda_ms(lambda: batched.tree_attention_ref(q, k, v, start, meta.bits)), cuda_ms(sdpa)))
+        got = tk.tree_attention_triton(q, k, v, start, meta.bits).float()
+        want = sdpa().float()
+        print(f"   attention max |diff| vs SDPA (bf16): {float((got - want).abs().max()):.3e}")
+    choices = torch.randint(1000, (4, 65), device=dev)
+    rows.append(("greedy walk (4 trees)", cuda_ms(lambda: tk.walk_batch_triton(batch, choices)),
+                 cuda_ms(lambda: batched.walk_batch_ref(cpu_batch, choices.cpu()), 5), None))
+    probs = torch.softmax(torch.randn(4, 65, 151936, device=dev), -1)
+    seeds = torch.tensor([1, 2, 3, 4], device=dev)
+    rows.append(("seeded draws (4 x 65 nodes, V 151936)", cuda_ms(lambda: tk.sampled_choices_triton(probs, seeds, meta.positions + 1)),
+                 cuda_ms(lambda: batched.sampled_choices_ref(probs, seeds.cpu(), (meta.positions + 1).cpu()), 3), None))
+    cache = torch.randn(36, 4, 8, 1300, 128, device=dev, dtype=torch.bfloat16)
+    walk = tk.walk_batch_triton(batch, choices)
+    rows.append(("KV compaction (36 layers, 4 rows)", cuda_ms(lambda: tk.compact_kv_batch_triton(cache, cache.clone(), start, walk), 5),
+                 cuda_ms(lambda: batched.compact_kv_batch_ref(cache, cache.clone(), start, walk), 5), None))
+    logits = torch.randn(15, 151936, device=dev, dtype=torch.bfloat16)
+    rows.append(("top-16 log-probs (15 x 151936)", cuda_ms(lambda: tk.topk_logprobs_triton(logits, 16)),
+                 cuda_ms(lambda: batched.topk_logprobs_ref(logits, 16)), None))
+    print("| op | Triton ms | reference ms | SDPA dense-mask ms |")
+    print("|---|---|---|---|")
+    for name, t, ref, sdpa in rows:
+        print(f"| {name} | {t:.3f} | {ref:.3f} | {'' if sdpa is None else f'{sdpa:.3f}'} |")
+
+
+class GraphedVerify:
+    """The target's verify forward captured once as a CUDA graph for a fixed q_len; every call
+    copies tokens, positions and mask bits into the static buffers and replays."""
+
+    def __init__(self, model):
+        self.model, self.graph, self.static = model, None, None
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+    def __call__(self, tokens, positions, block_mask, cache, capture_layers=(), logits_to_keep=0):
+        from ddtree.workers.model import TreeBits
+
+        if not isinstance(block_mask, TreeBits):  # the prefill: eager
+            return self.model(tokens, positions, block_mask, cache, capture_layers, logits_to_keep)
+        if self.graph is None:
+            self.static = (tokens.clone(), positions.clone(), block_mask.bits.clone())
+            self.cache = cache
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):  # warm-up outside the capture
+                self.model(self.static[0], self.static[1], TreeBits(self.static[2]), cache, capture_layers)
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.out = self.model(self.static[0], self.static[1], TreeBits(self.static[2]), cache, capture_layers)
+        assert cache is self.cache, "one graph per request cache"
+        self.static[0].copy_(tokens)
+        self.static[1].copy_(positions)
+        self.static[2].copy_(block_mask.bits)
+        self.graph.replay()
+        return self.out
+
+
+def cuda_graph_check() -> bool:
+    from ddtree.engine import shipped_drafter
+    from ddtree.workers.coordinator import Coordinator, Request
+    from ddtree.workers.drafter import DFlashDrafter
+    from ddtree.workers.loading import load_target
+    from ddtree.workers.sessions import LocalDrafter, LocalTarget
+
+    section("3. CUDA-graph verify vs eager, tree size changing every round")
+    target = load_target(None, torch.float32)
+    model = target.model.to("cuda")
+    drafter = DFlashDrafter.load(shipped_drafter(), model).to("cuda")
+    tok = target.tokenizer
+    ok = True
+    for text in ("Explain how a binary search works.", "Write a Python function that reverses a list."):
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True), add_special_tokens=False)
+        req = Request(ids, 96, eos_token_ids=(tok.eos_token_id,), budget=32)
+        eager = Coordinator(model, drafter).generate([req])[0]
+        graphed = Coordinator(LocalTarget(GraphedVerify(model)), LocalDrafter(drafter)).generate([req])[0]
+        sizes = [r.tree_size for r in eager.rounds]
+        same = graphed.tokens == eager.tokens
+        ok &= same
+        print(f"   {len(eager.rounds)} rounds, tree sizes {min(sizes)}..{max(sizes)} ({len(set(sizes))} distinct): "
+              f"{'same tokens' if same else 'DIFFERENT TOKENS'}")
+    return ok
+
+
+def verify_cost_curve() -> None:
+    from ddtree.kernels.batched import TreeBatch, tree_metadata
+    from ddtree.kernels.tree import Tree
+    from ddtree.workers.model import ModelConfig, TargetModel, TreeBits
+
+    section("4. verify cost T(q)/T(1), random target with Qwen3-8B's shapes, bf16, 1024 committed tokens")
+    config = ModelConfig("qwen3", 151936, 4096, 12288, 36, 32, 8, 128, 1e6, 1e-6, False, max_position_embeddings=40960)
+    with torch.device("meta"):
+        model = TargetModel(config)
+    model = model.to_empty(device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    times = {}
+    for q in (1, 17, 33, 65, 129):
+        cache = model.new_cache(1, 1024 + q + 8)
+        cache.lengths.fill_(1024)
+        chain = Tree(torch.arange(q), torch.arange(q) - 1, torch.arange(q))
+        batch = TreeBatch.of([chain], q, "cuda")
+        meta = tree_metadata(batch, cache.lengths)
+        times[q] = cuda_ms(lambda: model(batch.tokens, meta.positions, TreeBits(meta.bits), cache))
+    print("| q | ms | T(q)/T(1) |")
+    print("|---|---|---|")
+    for q, ms in times.items():
+        print(f"| {q} | {ms:.2f} | {ms / times[1]:.2f} |")
+    del model
+    torch.cuda.empty_cache()
+
+
+def smollm2_end_to_end() -> None:
+    from ddtree.config import ModelPairConfig, SamplingParams
+    from ddtree.engine import Engine
+
+    section("5. SmolLM2-135M-Instruct end to end (fp32, CUDA, 128 tokens, 4 prompts)")
+    engine = Engine.from_config(ModelPairConfig(budget=0, device="cuda"))
+    prompts = ["Explain photosynthesis to a child.", "Write a Python function that checks for primes.",
+               "What is 17 times 24? Show your work.", "Give three tips for learning a language."]
+    rendered = [engine.render_chat([{"role": "user", "content": p}]) for p in prompts]
+    budgets = [0, "chain", 8, 16, 32, 64]
+    for b in budgets:  # warm-up
+        engine.coordinator.generate([engine.request(rendered[0], 8, SamplingParams(), budget=b)])
+    rate, tau = {}, {}
+    for b in budgets:
+        tokens = rounds = 0
+        seconds = 0.0
+        for r in rendered:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            res = engine.coordinator.generate([engine.request(r, 128, SamplingParams(), budget=b)])[0]
+            torch.cuda.synchronize()
+            seconds += time.perf_counter() - t0
+            tokens, rounds = tokens + len(res.tokens), rounds + len(res.rounds)
+        rate[b], tau[b] = tokens / seconds, tokens / max(rounds, 1)
+    best = max((b for b in budgets if b != 0), key=rate.get)
+    print("| budget | tau | tokens/s | vs budget 0 |")
+    print("|---|---|---|---|")
+    for b in budgets:
+        print(f"| {b} | {tau[b]:.2f} | {rate[b]:.1f} | {rate[b] / rate[0]:.2f}x |")
+    print(f"\n   best budget {best}: {rate[best] / rate[0]:.2f}x budget 0")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--skip-tests", action="store_true")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu-check: no CUDA device here", file=sys.stderr)
+        return 2
+    print(f"# ddtree gpu-check on {torch.cuda.get_device_name()} (torch {torch.__version__})")
+    failed = 0 if args.skip_tests else parity_tests()
+    kernel_timings()
+    graphs_ok = cuda_graph_check()
+    verify_cost_curve()
+    smollm2_end_to_end()
+    return 1 if failed or not graphs_ok else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
