@@ -43,6 +43,7 @@ from .sessions import DraftSession, Proposal, Step, TargetSession
 from .tensor_parallel import ShardSpec, TensorParallel
 
 PROCESS_GROUP_TIMEOUT_S = 120  # a collective waiting longer than this for a dead peer fails
+PLACEMENT_TIMEOUT_S = 120  # how long a model instance waits for its placement group
 
 
 class WorkerDiedError(RuntimeError):
@@ -321,8 +322,16 @@ class DistributedEngine:
         self.spec = spec
         self._budget = check_budget(budget, has_drafter=True)  # the drafter actor is always there
         gpu = bool(ray.cluster_resources().get("GPU"))
-        self.group = placement_group(bundles or cpu_bundles(spec.tp, gpu), strategy="PACK")
-        ray.get(self.group.ready())
+        wanted = bundles or cpu_bundles(spec.tp, gpu)
+        self.group = placement_group(wanted, strategy="PACK")
+        try:
+            ray.get(self.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.group)
+            raise RuntimeError(
+                f"the model instance's placement group {wanted} could not be placed within "
+                f"{PLACEMENT_TIMEOUT_S} s; the cluster has {ray.available_resources()} available"
+            ) from None
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=0)
         self.actor = (
             ray.remote(CoordinatorWorker)
