@@ -235,8 +235,9 @@ class CoordinatorWorker:
     """Owns the drafter and shard actors of one model instance (inside its placement group) and
     runs the Coordinator's loop over them."""
 
-    def __init__(self, spec: WorkerSpec, budget: Budget, static_shapes: bool, group: PlacementGroup):
+    def __init__(self, spec: WorkerSpec, budget: Budget, static_shapes: bool, group: PlacementGroup, gpu: bool):
         self.spec, self.budget, self.static_shapes, self.group = spec, budget, static_shapes, group
+        self.gpu = gpu  # the placement group holds a GPU per shard (this actor itself has none)
         directory = Path(spec.target_dir)
         has_tokenizer = any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
         self.tokenizer = load_tokenizer(directory) if has_tokenizer else None  # None: no stop strings
@@ -252,7 +253,7 @@ class CoordinatorWorker:
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=bundle)
             return dict(scheduling_strategy=strategy, runtime_env=pinned, **resources)
 
-        gpu = torch.cuda.is_available() or bool(ray.get_gpu_ids())
+        gpu = self.gpu
         shards = [
             ray.remote(TargetShardWorker)
             .options(**on(r, num_cpus=0.5 if r == 0 else 1, num_gpus=(0.9 if r == 0 else 1) if gpu else 0))
@@ -261,9 +262,13 @@ class CoordinatorWorker:
         ]
         drafter = ray.remote(DrafterWorker).options(**on(0, num_cpus=0.25, num_gpus=0.1 if gpu else 0)).remote(self.spec)
         self.workers = [drafter, *shards]
-        host, port = ray.get(shards[0].address.remote())
-        _get([s.join.remote(host, port) for s in shards], [f"target shard {r}" for r in range(len(shards))])
-        block_size, layer_ids = ray.get(drafter.shape.remote())
+        try:
+            host, port = _get([shards[0].address.remote()], ["target shard 0"])[0]
+            _get([s.join.remote(host, port) for s in shards], [f"target shard {r}" for r in range(len(shards))])
+            block_size, layer_ids = _get([drafter.shape.remote()], ["drafter"])[0]
+        except WorkerDiedError:
+            self._stop_workers()
+            raise
         self.coordinator = Coordinator(
             ShardedTarget(shards),
             RemoteDrafter(drafter, block_size, layer_ids),
@@ -321,8 +326,8 @@ class DistributedEngine:
             ray.init(include_dashboard=False)
         self.spec = spec
         self._budget = check_budget(budget, has_drafter=True)  # the drafter actor is always there
-        gpu = bool(ray.cluster_resources().get("GPU"))
-        wanted = bundles or cpu_bundles(spec.tp, gpu)
+        wanted = bundles or cpu_bundles(spec.tp, gpu=bool(ray.cluster_resources().get("GPU")))
+        gpu = any(b.get("GPU") for b in wanted)
         self.group = placement_group(wanted, strategy="PACK")
         try:
             ray.get(self.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
@@ -336,7 +341,7 @@ class DistributedEngine:
         self.actor = (
             ray.remote(CoordinatorWorker)
             .options(num_cpus=0.25, scheduling_strategy=strategy)
-            .remote(spec, budget, static_shapes, self.group)
+            .remote(spec, budget, static_shapes, self.group, gpu)
         )
         self.block_size = ray.get(self.actor.block_size.remote())
 
