@@ -46,19 +46,26 @@ class Candidates:
 
     @classmethod
     def top_k(cls, logprobs: torch.Tensor, k: int) -> "Candidates":
-        """From per-depth log-probs [D, V]: the first k of a stable descending sort per row,
-        computed on the tokens at least as likely as the k-th instead of the whole vocabulary."""
+        """From per-depth log-probs [D, V]: the first k of a stable descending sort per row
+        (equal values ranked by token id), without sorting the vocabulary. torch.topk finds the
+        k best; they are ordered by (value desc, id asc); a row where a value equal to the k-th
+        lies outside topk's pick (a tie at the boundary) takes the exact, slower route."""
         k = min(k, logprobs.shape[1])
         if logprobs.shape[0] == 0 or k <= 0:
             return cls([], [])
         logprobs = logprobs.double()
-        kth = logprobs.topk(k, dim=-1).values[:, -1]
-        values, tokens = [], []
-        for row, threshold in zip(logprobs, kth.tolist()):
-            ids = (row >= threshold).nonzero().squeeze(-1)  # ascending ids, ties with the k-th included
-            top, order = row[ids].sort(descending=True, stable=True)
-            values.append(top[:k].tolist())
-            tokens.append(ids[order[:k]].tolist())
+        vals, ids = logprobs.topk(k, dim=-1)
+        kth = vals[:, -1:]
+        boundary_tie = ((logprobs == kth).sum(-1) != (vals == kth).sum(-1)).tolist()
+        ids, by_id = ids.sort(dim=-1)
+        vals, order = vals.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+        values, tokens = vals.tolist(), ids.gather(-1, order).tolist()
+        for d, tied in enumerate(boundary_tie):
+            if tied:
+                row = logprobs[d]
+                candidates = (row >= kth[d]).nonzero().squeeze(-1)  # ascending ids
+                top, at = row[candidates].sort(descending=True, stable=True)
+                values[d], tokens[d] = top[:k].tolist(), candidates[at[:k]].tolist()
         return cls(values, tokens)
 
 

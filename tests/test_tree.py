@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ddtree.kernels.tree import (
+    Candidates,
     Tree,
     ancestor_mask,
     build_tree,
@@ -167,3 +168,22 @@ def test_compact_kv_equals_plain_decoding_cache(tiny_checkpoint, family, seed):
     model(seq, torch.arange(kept)[None], model.prefill_mask(kept), plain)
     torch.testing.assert_close(cache.k[:, :, :, :kept], plain.k[:, :, :, :kept], rtol=0, atol=1e-12)
     torch.testing.assert_close(cache.v[:, :, :, :kept], plain.v[:, :, :, :kept], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_candidates_equal_the_first_k_of_a_stable_descending_sort(seed):
+    """Candidates.top_k takes torch.topk's pick and orders it by (value, id); rows with a tie
+    at the k-th value take the exact route. Both must equal the full stable sort, ties inside
+    the top-k and across its boundary included."""
+    g = torch.Generator().manual_seed(seed)
+    logprobs = torch.log_softmax(torch.randn(5, 300, generator=g, dtype=torch.float64), -1)
+    best = logprobs.max(-1, keepdim=True).values
+    logprobs[1, [3, 17, 250]] = best[1] + 0.5  # a three-way tie at the top
+    order = logprobs[2].argsort(descending=True)
+    logprobs[2, order[6:12]] = logprobs[2, order[7]].item()  # a tie that straddles k = 8
+    logprobs[3] = -5.0  # everything tied
+    for k in (1, 8, 16, 300):
+        got = Candidates.top_k(logprobs, k)
+        top, ids = logprobs.sort(dim=-1, descending=True, stable=True)
+        assert got.tokens == ids[:, :k].tolist()
+        assert got.logprobs == top[:, :k].tolist()
