@@ -83,6 +83,9 @@ class TargetShardWorker:
         self.sessions: dict[int, TargetSession] = {}
         self.model = None
 
+    def ready(self) -> bool:
+        return True
+
     def address(self) -> tuple[str, int]:
         """Where shard 0 hosts the process group's rendezvous: this node's IP and a free port."""
         with socket.socket() as s:
@@ -135,6 +138,9 @@ class DrafterWorker:
             else DFlashDrafter.untrained(heads, block_size=spec.block_size)
         )
         self.sessions: dict[int, DraftSession] = {}
+
+    def ready(self) -> bool:
+        return True
 
     def shape(self) -> tuple[int, tuple[int, ...]]:
         return self.drafter.block_size, tuple(self.drafter.target_layer_ids)
@@ -262,7 +268,11 @@ class CoordinatorWorker:
         ]
         drafter = ray.remote(DrafterWorker).options(**on(0, num_cpus=0.25, num_gpus=0.1 if gpu else 0)).remote(self.spec)
         self.workers = [drafter, *shards]
+        names = ["drafter", *(f"target shard {r}" for r in range(len(shards)))]
         try:
+            # every worker up first (a busy machine can take minutes to start processes), so that
+            # the process group's timeout only covers the rendezvous itself
+            _get([w.ready.remote() for w in self.workers], names)
             host, port = _get([shards[0].address.remote()], ["target shard 0"])[0]
             _get([s.join.remote(host, port) for s in shards], [f"target shard {r}" for r in range(len(shards))])
             block_size, layer_ids = _get([drafter.shape.remote()], ["drafter"])[0]
