@@ -75,7 +75,6 @@ def test_tp2_equals_tp1_exactly_on_a_tiny_float64_model(tiny_engines, budget):
         # the in-process engine, same drafter, same seed: the same tokens again
         local = Coordinator(model, DFlashDrafter.untrained(model, block_size=8), budget).generate([seeded])[0]
         assert tp2[1].tokens == local.tokens
-        assert all(r.transport_s >= 0 for r in tp2[0].rounds)
 
 
 def test_a_killed_shard_ends_its_request_with_a_clear_error_and_the_next_one_succeeds(tiny_engines):

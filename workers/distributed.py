@@ -199,8 +199,8 @@ class RemoteTargetSession:
         if any(s.tokens != steps[0].tokens or s.path != steps[0].path for s in steps):
             raise RuntimeError(f"target shards disagree: {[s.tokens for s in steps]}")
         step = steps[0]
-        step.forward_s = max(s.forward_s for s in steps)
-        step.walk_s = max(s.walk_s for s in steps)
+        slowest = max(steps, key=lambda s: s.forward_s + s.walk_s)  # the call waited for it
+        step.forward_s, step.walk_s = slowest.forward_s, slowest.walk_s
         return step
 
 
