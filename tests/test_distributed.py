@@ -13,7 +13,6 @@ import time
 
 import pytest
 import ray
-import torch
 
 from ddtree.config import SamplingParams
 from ddtree.workers.coordinator import Coordinator, Request
