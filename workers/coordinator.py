@@ -149,8 +149,9 @@ class Coordinator:
         budget = self.check_budget(self.budget if request.budget is None else request.budget)
         drafting = budget != 0
         capture = self.drafter.target_layer_ids if drafting else ()
-        slots = len(request.prompt) + request.max_tokens + self.verify_len(budget) + 1
-        target = self.target.open(slots, capture, self.verify_len(budget), self.static_shapes)
+        q_len = self.verify_len(budget)
+        slots = len(request.prompt) + request.max_tokens + q_len + 1
+        target = self.target.open(slots, capture, q_len, self.static_shapes)
         draft = self.drafter.open(slots) if drafting else None
 
         try:

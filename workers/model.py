@@ -226,13 +226,11 @@ class Attention(nn.Module):
             slots = slots.expand(b, self.kv_heads, q_len, self.head_dim)
             cache.k[layer].scatter_(2, slots, k.to(cache.k.dtype))
             cache.v[layer].scatter_(2, slots, v.to(cache.v.dtype))
+            out = tree_attention(q, cache.k[layer, :, :, :span], cache.v[layer, :, :, :span], cache.lengths, mask.bits)
         else:
             for row, at in enumerate(cache.lengths.tolist()):
                 cache.k[layer, row, :, at : at + q_len] = k[row]
                 cache.v[layer, row, :, at : at + q_len] = v[row]
-        if isinstance(mask, TreeBits):
-            out = tree_attention(q, cache.k[layer, :, :, :span], cache.v[layer, :, :, :span], cache.lengths, mask.bits)
-        else:
             out = attend(q, cache.k[layer, :, :, :span], cache.v[layer, :, :, :span], mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 

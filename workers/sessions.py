@@ -50,7 +50,8 @@ class TargetSession:
         self.model = model
         self.capture = capture
         self.cache = model.new_cache(1, slots)
-        self.block = VerifyBlock.allocate(q_len) if static_shapes else None
+        self.q_len = q_len if static_shapes else None  # None: each pass is as long as its tree
+        self.block = VerifyBlock.allocate(q_len) if static_shapes and not use_triton(self.cache.k) else None
 
     @property
     def start(self) -> int:
@@ -97,14 +98,13 @@ class TargetSession:
         and the KV compaction without a host round-trip per node; the host reads the path once."""
         t0 = time.perf_counter()
         dev = self.cache.k.device
-        q_len = self.block.tokens.shape[0] if self.block is not None else tree.size
-        batch = TreeBatch.of([tree], q_len, dev)
+        batch = TreeBatch.of([tree], self.q_len or tree.size, dev)
         meta = tree_metadata(batch, self.cache.lengths)
         out = self.model(batch.tokens, meta.positions, TreeBits(meta.bits), self.cache, self.capture)
         t1 = time.perf_counter()
         logits = out.logits[0]
         if is_greedy(sampling) or isinstance(self.model.parallel, TensorParallel):
-            after = (meta.positions[0] + 1).tolist()
+            after = [] if is_greedy(sampling) else (meta.positions[0] + 1).tolist()  # greedy reads none
             choices = choose(self.model.parallel, logits, sampling, seed, after)
         else:
             probs = processed_probs(logits, sampling)
