@@ -55,6 +55,10 @@ class TrainConfig:
     seed: int = 0
     held_out: float = 0.05  # share of sequences kept for held-out accuracy
     checkpoint_every: int = 100
+    # The drafter's head covers the tokens of the training data plus token ids below this floor
+    # (byte-level BPE ids roughly follow merge order, so low ids are the common pieces); None: the
+    # whole vocabulary. It makes the head, the costliest part of a training step, ~4x cheaper.
+    vocab_floor: int | None = 8192
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, ...]:
@@ -125,6 +129,28 @@ def generate_shard(hf, tok, messages: list[str], layer_ids, max_tokens: int) -> 
     }
 
 
+def plan_prompts(target: LoadedTarget, plan: Path, prompt_files: list[str], limit_per_file: int,
+                 self_prompt_count: int, batch: int, seed: int) -> list[list[str]]:
+    """The prompts of every data shard, kept in `plan` so a rerun makes the same shards. A rerun
+    that asks for more (a larger --limit-per-file or --self-prompts) appends shards for the new
+    prompts only; the finished shards and their prompts stay as they are."""
+    shards = json.loads(plan.read_text())["shards"] if plan.is_file() else []
+    planned = {m for shard in shards for m in shard}
+    from_files = [m for f in prompt_files for m in read_prompts(f, limit_per_file)]
+    file_set = set(from_files)
+    new = list(dict.fromkeys(m for m in from_files if m not in planned))
+    have_self = sum(1 for m in planned if m not in file_set)
+    if self_prompt_count > have_self:
+        new += self_prompts(target, self_prompt_count - have_self, seed + len(planned))
+    if new:
+        random.Random(seed + len(planned)).shuffle(new)
+        shards += [new[i : i + batch] for i in range(0, len(new), batch)]
+        tmp = plan.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"shards": shards}))
+        tmp.replace(plan)
+    return shards
+
+
 def stage_data(target: LoadedTarget, workdir: Path, prompt_files: list[str], limit_per_file: int,
                self_prompt_count: int, layer_ids, max_tokens: int, batch: int, seed: int) -> None:
     from transformers import AutoModelForCausalLM
@@ -137,18 +163,10 @@ def stage_data(target: LoadedTarget, workdir: Path, prompt_files: list[str], lim
         )
     data = workdir / "data"
     data.mkdir(parents=True, exist_ok=True)
-    plan = data / "prompts.json"
-    if plan.is_file():
-        messages = json.loads(plan.read_text())
-    else:
-        messages = [m for f in prompt_files for m in read_prompts(f, limit_per_file)]
-        messages += self_prompts(target, self_prompt_count, seed)
-        random.Random(seed).shuffle(messages)
-        plan.write_text(json.dumps(messages))
+    shards = plan_prompts(target, data / "prompts.json", prompt_files, limit_per_file, self_prompt_count, batch, seed)
     hf = AutoModelForCausalLM.from_pretrained(target.directory, dtype=torch.float32).eval()
     tok = target.tokenizer
     tok.padding_side = "left"
-    shards = [messages[i : i + batch] for i in range(0, len(messages), batch)]
     done_tokens, started = 0, time.perf_counter()
     with tqdm(total=len(shards), desc="data", unit="batch") as bar:
         for i, chunk in enumerate(shards):
@@ -180,8 +198,17 @@ def load_sequences(workdir: Path) -> list[tuple[torch.Tensor, torch.Tensor, int]
 # --- stage 2: train ---------------------------------------------------------------------------
 
 
-def init_drafter(target: LoadedTarget, cfg: TrainConfig, layer_ids) -> DFlashDrafter:
-    """A drafter whose layers start as copies of the target's last layers (same shapes)."""
+def draft_vocabulary(sequences, cfg: TrainConfig, vocab_size: int) -> torch.Tensor | None:
+    """Sorted token ids for the drafter's head, or None for the whole vocabulary."""
+    if cfg.vocab_floor is None or cfg.vocab_floor >= vocab_size:
+        return None
+    seen = torch.cat([tokens for tokens, _, _ in sequences] + [torch.arange(cfg.vocab_floor)])
+    return seen.unique()
+
+
+def init_drafter(target: LoadedTarget, cfg: TrainConfig, layer_ids, saved: dict | None = None) -> DFlashDrafter:
+    """A drafter whose layers start as copies of the target's last layers (same shapes); with
+    `saved` (a state dict from a checkpoint), that drafter instead, draft vocabulary included."""
     t = target.model.config
     config = DFlashConfig(
         hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_hidden_layers=cfg.num_layers,
@@ -201,6 +228,10 @@ def init_drafter(target: LoadedTarget, cfg: TrainConfig, layer_ids) -> DFlashDra
                     own[name].copy_(tensor)
         torch.nn.init.normal_(drafter.fc.weight, std=0.02)
         drafter.norm.weight.copy_(target.model.model.norm.weight)
+    if saved is not None:
+        if "draft_vocab" in saved:
+            drafter.set_draft_vocab(saved["draft_vocab"])
+        drafter.load_state_dict(saved)
     return drafter
 
 
@@ -219,8 +250,8 @@ def sample_anchors(length: int, response_start: int, block: int, count: int, rng
 def block_loss(drafter, tokens, features, anchors, weights):
     """Weighted cross-entropy and top-1 hits per position for one sequence's blocks."""
     s = drafter.block_size
-    logits = drafter.block_logits(features, tokens, anchors).float()  # [A, S-1, V]
-    labels = tokens[anchors[:, None] + torch.arange(1, s)]  # [A, S-1]
+    logits = drafter.block_logits(features, tokens, anchors).float()  # [A, S-1, V_d]
+    labels = drafter.draft_ids(tokens[anchors[:, None] + torch.arange(1, s)])  # [A, S-1]; -100: not in V_d
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
     loss = (ce.view_as(labels) * weights).sum() / (weights.sum() * len(anchors))
     hits = (logits.argmax(-1) == labels).float().sum(0)  # [S-1]
@@ -247,6 +278,7 @@ class TrainState:
     step: int = 0
     loss_ema: float | None = None
     history: list = field(default_factory=list)  # (step, loss_ema, acc@1)
+    held_out: int = 0  # the first `held_out` sequences, fixed at the first step (data may grow)
 
 
 def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids, deadline: float | None = None) -> TrainState:
@@ -255,12 +287,21 @@ def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids
     if not sequences:
         raise ValueError(f"no data in {workdir / 'data'}: run the data stage first")
     target.model.requires_grad_(False)  # frozen: target, embedding and LM head
-    split = max(1, int(len(sequences) * cfg.held_out))
-    train_set = sequences[split:]  # the first `split` sequences are held out (see stage_export)
     ckpt_dir = workdir / "train"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     ckpt = ckpt_dir / "checkpoint.pt"
-    drafter = init_drafter(target, cfg, layer_ids)
+    saved = torch.load(ckpt, weights_only=False) if ckpt.is_file() else None
+    state = TrainState(**saved["state"]) if saved else TrainState()
+    if not state.held_out:
+        state.held_out = max(1, int(len(sequences) * cfg.held_out))
+    train_set = sequences[state.held_out :]  # the first sequences are held out (see stage_export)
+    if saved:
+        drafter = init_drafter(target, cfg, layer_ids, saved["drafter"])
+    else:
+        drafter = init_drafter(target, cfg, layer_ids)
+        vocab = draft_vocabulary(train_set, cfg, drafter.config.vocab_size)
+        if vocab is not None:
+            drafter.set_draft_vocab(vocab)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
 
@@ -271,13 +312,9 @@ def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    state = TrainState()
-    if ckpt.is_file():
-        saved = torch.load(ckpt, weights_only=False)
-        drafter.load_state_dict(saved["drafter"])
+    if saved:
         opt.load_state_dict(saved["optimizer"])
         sched.load_state_dict(saved["scheduler"])
-        state = TrainState(**saved["state"])
 
     def save():
         tmp = ckpt.with_suffix(".tmp")
@@ -330,10 +367,9 @@ def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids
 def stage_export(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids, out: Path,
                  data_note: str = "", eval_summary: str = "") -> Path:
     saved = torch.load(workdir / "train" / "checkpoint.pt", weights_only=False)
-    drafter = init_drafter(target, cfg, layer_ids)
-    drafter.load_state_dict(saved["drafter"])
+    drafter = init_drafter(target, cfg, layer_ids, saved["drafter"])
     sequences = load_sequences(workdir)
-    held_out = sequences[: max(1, int(len(sequences) * cfg.held_out))]
+    held_out = sequences[: saved["state"].get("held_out") or max(1, int(len(sequences) * cfg.held_out))]
     accuracy = evaluate_accuracy(drafter.eval(), held_out, cfg)
     out.mkdir(parents=True, exist_ok=True)
     drafter.to(torch.bfloat16).save(out)
@@ -346,7 +382,8 @@ def stage_export(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_id
         "Trained by `ddtree train-drafter` (self-distillation: the target's own greedy responses).",
         "",
         f"- architecture: {cfg.num_layers} layers, block size {cfg.block_size}, target layers {list(layer_ids)}, "
-        f"mask token {drafter.config.mask_token_id}; weights bf16",
+        f"mask token {drafter.config.mask_token_id}; weights bf16; draft vocabulary "
+        f"{drafter.config.draft_vocab_size or drafter.config.vocab_size} of {drafter.config.vocab_size} tokens",
         f"- data: {n_seq} sequences, {n_tokens} tokens ({data_note or 'see the training command'}); "
         f"held out: the first {len(held_out)} sequences",
         f"- steps: {state['step']} (batch {cfg.sequences_per_step} sequences x {cfg.anchors_per_sequence} anchors), "

@@ -157,3 +157,59 @@ def test_training_blocks_equal_drafting_at_each_anchor(drafter_and_state):
     for i, a in enumerate(anchors.tolist()):
         drafted = drafter.draft(drafter.new_cache(1, 32), features[None, :a], tokens[a : a + 1], torch.tensor([a]))
         torch.testing.assert_close(train[i], drafted[0], rtol=0, atol=1e-10)
+
+
+DRAFT_VOCAB = [0, 3, 4, 17, 40, 41, 88, 95, 96]
+
+
+def test_a_draft_vocabulary_restricts_the_head_only(drafter_and_state, tmp_path):
+    """With a draft vocabulary the drafter's logits are the full head's at those ids and -inf
+    elsewhere (log-probs renormalised over the subset); the ids travel in the checkpoint
+    (`dflash_config.draft_vocab_size` + a `draft_vocab` tensor) and load back exactly."""
+    drafter, state, config, target = drafter_and_state
+    g = torch.Generator().manual_seed(6)
+    features = torch.randn(1, 7, HIDDEN * 2, generator=g, dtype=torch.float64)
+    args = (torch.tensor([5]), torch.tensor([7]))
+    full = drafter.draft_logits(drafter.new_cache(1, 32), features, *args)
+    restricted = DFlashDrafter.load(tmp_path, target)
+    restricted.set_draft_vocab(torch.tensor(DRAFT_VOCAB[::-1]))  # any order; kept sorted
+    assert restricted.draft_vocab.tolist() == DRAFT_VOCAB and restricted.config.draft_vocab_size == len(DRAFT_VOCAB)
+    logits = restricted.draft_logits(restricted.new_cache(1, 32), features, *args)
+    outside = torch.ones(97, dtype=torch.bool)
+    outside[DRAFT_VOCAB] = False
+    torch.testing.assert_close(logits[..., DRAFT_VOCAB], full[..., DRAFT_VOCAB], rtol=0, atol=1e-12)  # same rows
+    assert torch.isneginf(logits[..., outside]).all()
+    logprobs = restricted.draft(restricted.new_cache(1, 32), features, *args)
+    torch.testing.assert_close(logprobs[..., DRAFT_VOCAB], torch.log_softmax(full[..., DRAFT_VOCAB], -1), rtol=0, atol=1e-12)
+
+    saved = tmp_path / "restricted"
+    restricted.save(saved)
+    assert json.loads((saved / "config.json").read_text())["dflash_config"]["draft_vocab_size"] == len(DRAFT_VOCAB)
+    again = DFlashDrafter.load(saved, target)
+    assert again.draft_vocab.dtype == torch.int64 and again.draft_vocab.tolist() == DRAFT_VOCAB
+    assert torch.equal(again.draft(again.new_cache(1, 32), features, *args), logprobs)
+
+
+def test_training_labels_outside_the_draft_vocabulary_are_ignored(drafter_and_state):
+    drafter, *_ = drafter_and_state
+    drafter.set_draft_vocab(torch.tensor(DRAFT_VOCAB))
+    assert drafter.draft_ids(torch.tensor([17, 5, 96, 0])).tolist() == [3, -100, 8, 0]
+    g = torch.Generator().manual_seed(4)
+    features = torch.randn(14, HIDDEN * 2, generator=g, dtype=torch.float64)
+    tokens = torch.randint(0, 95, (14,), generator=g)
+    assert drafter.block_logits(features, tokens, torch.tensor([2, 6])).shape == (2, BLOCK - 1, len(DRAFT_VOCAB))
+
+
+def test_a_restricted_drafter_stays_lossless(tiny_checkpoint):
+    """The draft vocabulary shapes the trees, never the output: greedy generation through a
+    drafter that cannot propose most tokens equals plain decoding, at every budget."""
+    from ddtree.config import SamplingParams
+    from ddtree.workers.coordinator import Coordinator, Request
+
+    _, target, _ = tiny_checkpoint("llama")
+    drafter = DFlashDrafter.untrained(target, block_size=4, seed=1)
+    drafter.set_draft_vocab(torch.arange(0, 97, 3))
+    request = Request([5, 9, 2, 33, 7], 24, sampling=SamplingParams())
+    plain = Coordinator(target).generate([request])[0].tokens
+    for budget in ["chain", 6, 16]:
+        assert Coordinator(target, drafter, budget).generate([request])[0].tokens == plain

@@ -35,7 +35,8 @@ def trained(tiny_chat_model, tmp_path_factory):
     target = load_target(tiny_chat_model, torch.float32)
     stage_data(target, work, [str(prompts)], 6, 2, LAYERS, max_tokens=24, batch=4, seed=0)
     cfg = TrainConfig(block_size=4, num_layers=1, steps=40, sequences_per_step=2, anchors_per_sequence=8,
-                      warmup=5, lr=3e-3, checkpoint_every=20, held_out=0.15, mask_token_id=16)
+                      warmup=5, lr=3e-3, checkpoint_every=20, held_out=0.15, mask_token_id=16,
+                      vocab_floor=256)
     before = init_drafter(target, cfg, LAYERS)
     state = stage_train(target, work, cfg, LAYERS)
     return target, work, cfg, before, state
@@ -77,9 +78,15 @@ def test_training_lowers_the_loss_and_resumes(trained):
     assert state.step == 40
     sequences = load_sequences(work)
     saved = torch.load(work / "train" / "checkpoint.pt", weights_only=False)
-    after = init_drafter(target, cfg, LAYERS)
-    after.load_state_dict(saved["drafter"])
+    after = init_drafter(target, cfg, LAYERS, saved["drafter"])
+    before.set_draft_vocab(after.draft_vocab)  # the same head for both losses
     assert fixed_batch_loss(after, sequences, cfg) < 0.8 * fixed_batch_loss(before, sequences, cfg)
+    held_out = sequences[: state.held_out]
+    assert 1 <= state.held_out < len(sequences)
+    seen = torch.cat([t for t, _, _ in sequences[state.held_out :]]).unique()
+    assert set(after.draft_vocab.tolist()) == set(seen.tolist()) | set(range(cfg.vocab_floor)), \
+        "draft vocabulary = the training tokens + the ids below the floor"
+    assert held_out and after.config.draft_vocab_size < target.model.config.vocab_size
     longer = TrainConfig(**{**cfg.__dict__, "steps": 45})
     resumed = stage_train(target, work, longer, LAYERS)
     assert resumed.step == 45 and resumed.history[0][0] == 20, "resumed from the step-40 checkpoint"
@@ -92,6 +99,7 @@ def test_export_loads_drafts_and_evaluates(trained, tmp_path):
     config = json.loads((out / "config.json").read_text())
     assert config["dflash_config"]["target_layer_ids"] == list(LAYERS) and config["block_size"] == 4
     drafter = DFlashDrafter.load(out, target.model)
+    assert config["dflash_config"]["draft_vocab_size"] == len(drafter.draft_vocab) < config["vocab_size"]
     report = eval_drafter(target, drafter, ["What is 2 plus 5?", "Hello"], 12, ["chain", 4])
     assert set(report["tau"]) == {"chain", "4"} and all(t >= 1.0 for t in report["tau"].values())
     assert len(report["accuracy"]) == 3

@@ -13,6 +13,12 @@ config.json with qwen3 fields plus `block_size`, `num_target_layers`,
 `layers.N.{input,post_attention}_layernorm.weight`, `layers.N.mlp.{gate,up,down}_proj.weight`,
 `norm.weight`.
 
+One optional addition of ours: a *draft vocabulary*. `dflash_config.draft_vocab_size` = V_d and
+an int64 tensor `draft_vocab` [V_d] (sorted token ids) in the weights: the drafter's head is
+then the target's LM head restricted to those rows (about 4x cheaper for SmolLM2's 49152), and
+every other token gets log-probability -inf. Checkpoints without it load as before. It changes
+only which trees are proposed, never which tokens are accepted.
+
 The context cache holds the keys/values of exactly the committed tokens: the block's own keys
 are used in the pass and never written to it, so "crop to the committed length after every
 draft" holds by construction.
@@ -21,7 +27,7 @@ draft" holds by construction.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -62,6 +68,7 @@ class DFlashConfig:
     num_target_layers: int
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
+    draft_vocab_size: int = 0  # 0: the whole vocabulary
 
     @classmethod
     def from_hf(cls, hf: dict) -> "DFlashConfig":
@@ -84,9 +91,13 @@ class DFlashConfig:
             num_target_layers=int(hf["num_target_layers"]),
             target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
             mask_token_id=int(dflash["mask_token_id"]),
+            draft_vocab_size=int(dflash.get("draft_vocab_size", 0)),
         )
 
     def to_hf(self) -> dict:
+        dflash = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
+        if self.draft_vocab_size:
+            dflash["draft_vocab_size"] = self.draft_vocab_size
         return {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
@@ -104,10 +115,7 @@ class DFlashConfig:
             "tie_word_embeddings": False,
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
-            "dflash_config": {
-                "target_layer_ids": list(self.target_layer_ids),
-                "mask_token_id": self.mask_token_id,
-            },
+            "dflash_config": dflash,
         }
 
 
@@ -210,12 +218,46 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, None)
+        if config.draft_vocab_size:  # filled by load() or set_draft_vocab()
+            self.register_buffer("draft_vocab", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
+        else:
+            self.register_buffer("draft_vocab", None)
         # The target's embedding and LM head, shared, not part of the drafter's weights.
         self._target = (target,)
+        self._head = None  # (key, the LM head's rows of the draft vocabulary)
+
+    def set_draft_vocab(self, ids: torch.Tensor) -> None:
+        """Training: restrict the head to these token ids (sorted, unique)."""
+        ids = torch.as_tensor(ids, dtype=torch.int64).unique()
+        if int(ids.max()) >= self.config.vocab_size or int(ids.min()) < 0:
+            raise ValueError(f"draft vocabulary ids must lie in [0, {self.config.vocab_size})")
+        self.config = replace(self.config, draft_vocab_size=len(ids))
+        self.register_buffer("draft_vocab", ids.to(self.fc.weight.device))
+        self._head = None
+
+    def draft_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Training labels: each token's index in the draft vocabulary, -100 (ignored by the
+        cross-entropy) where it has none. Identity without a draft vocabulary."""
+        if self.draft_vocab is None:
+            return tokens
+        index = torch.full((self.config.vocab_size,), -100, dtype=torch.int64, device=tokens.device)
+        index[self.draft_vocab] = torch.arange(len(self.draft_vocab), device=tokens.device)
+        return index[tokens]
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary (the whole one by default) for hidden states h."""
+        weight = self._target[0].lm_head.weight
+        if self.draft_vocab is None:
+            return nn.functional.linear(h.to(weight.dtype), weight)
+        key = (weight.data_ptr(), weight.dtype, weight.device, weight._version, self.draft_vocab.data_ptr())
+        if self._head is None or self._head[0] != key:
+            self._head = (key, weight.detach()[self.draft_vocab.to(weight.device)])
+        return nn.functional.linear(h.to(weight.dtype), self._head[1])
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)  # see TargetModel._apply
         self.inv_freq = self.inv_freq.to(self.fc.weight.device)
+        self._head = None
         return out
 
     @property
@@ -256,8 +298,9 @@ class DFlashDrafter(nn.Module):
     def block_logits(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
         """Training (differentiable): the drafter's logits for blocks at `anchors` of one
         sequence, exactly as drafting there would see them. features [T, F] (target features of
-        tokens [T]); anchors [A] -> logits [A, S-1, V] for positions anchor + 1 ... + S - 1.
-        Block a is [tokens[a], MASK x (S-1)] and sees the context features of positions < a."""
+        tokens [T]); anchors [A] -> logits [A, S-1, V_d] for positions anchor + 1 ... + S - 1,
+        over the draft vocabulary (labels: draft_ids). Block a is [tokens[a], MASK x (S-1)] and
+        sees the context features of positions < a."""
         target = self._target[0]
         s, t = self.block_size, tokens.shape[0]
         steps = torch.arange(s, device=tokens.device)
@@ -270,7 +313,7 @@ class DFlashDrafter(nn.Module):
         visible = torch.arange(t, device=tokens.device)[None, :] < anchors[:, None]
         for layer in self.layers:
             x = layer.forward_blocks(x, block_rope, ctx, ctx_rope, visible)
-        return target.lm_head(self.norm(x[:, 1:]))
+        return self.head(self.norm(x[:, 1:]))
 
     @torch.inference_mode()
     def draft(self, cache: DraftCache, features, bonus, start) -> torch.Tensor:
@@ -278,12 +321,15 @@ class DFlashDrafter(nn.Module):
 
     @torch.inference_mode()
     def draft_logits(self, cache: DraftCache, features, bonus, start) -> torch.Tensor:
-        """The block's logits [B, B_blk - 1, V] (draft() is their log-softmax)."""
-        target = self._target[0]
+        """The block's logits [B, B_blk - 1, V] (draft() is their log-softmax); -inf for
+        tokens outside the draft vocabulary."""
         dev = self.fc.weight.device  # inputs may come from another device or process
         features, bonus, start = features.to(dev), bonus.to(dev), start.to(dev)
-        h = self.hidden(cache, features, bonus, start)[:, 1:]
-        return target.lm_head(h.to(target.dtype))
+        logits = self.head(self.hidden(cache, features, bonus, start)[:, 1:])
+        if self.draft_vocab is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab.to(logits.device), logits)
 
     # --- checkpoints ----------------------------------------------------------------------
 
@@ -302,7 +348,7 @@ class DFlashDrafter(nn.Module):
         for f in sorted(directory.glob("*.safetensors")):
             state.update(load_file(str(f)))
         drafter = cls(config, target).to(target.dtype)
-        drafter.load_state_dict({k: t.to(target.dtype) for k, t in state.items()}, strict=True)
+        drafter.load_state_dict({k: t.to(target.dtype) if t.is_floating_point() else t for k, t in state.items()}, strict=True)
         return drafter.eval()
 
     @classmethod
