@@ -158,7 +158,8 @@ def _train_drafter(args: argparse.Namespace) -> int:
     target = load_target(args.model, torch.float32)
     layers = tuple(args.target_layers) if args.target_layers else default_layer_ids(target.model.config.num_hidden_layers)
     cfg = TrainConfig(block_size=args.block_size, num_layers=args.layers,
-                      mask_token_id=args.mask_token_id, steps=args.steps, seed=args.seed)
+                      mask_token_id=args.mask_token_id, steps=args.steps, seed=args.seed,
+                      vocab_floor=None if args.vocab_floor < 0 else args.vocab_floor)
     stages = ["data", "train", "export"] if args.stage == "all" else [args.stage]
     if "data" in stages:
         stage_data(target, workdir, args.prompts or [], args.limit_per_file, args.self_prompts, layers,
@@ -189,7 +190,7 @@ def _eval_drafter(args: argparse.Namespace) -> int:
     target = load_target(args.model, torch.float32)
     drafter = DFlashDrafter.load(args.drafter or default_drafter_path(), target.model)
     budgets = [parse_budget(b.strip()) for b in args.budgets.split(",")]
-    report = eval_drafter(target, drafter, read_prompts(args.prompts, args.limit), args.max_tokens, budgets)
+    report = eval_drafter(target, drafter, read_prompts(args.prompts, args.limit), args.max_tokens, budgets, engine=args.engine)
     print(f"{report['prompts']} prompts from {args.prompts}, {args.max_tokens} tokens, greedy")
     print("| budget | " + " | ".join(report["tau"]) + " |")
     print("| --- |" + " --- |" * len(report["tau"]))
@@ -319,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--target-layers", type=int, nargs="+", help="default: 1, middle, last-but-three")
     train.add_argument("--mask-token-id", type=int, help="default: the last vocabulary id")
     train.add_argument("--steps", type=int, default=3000)
+    train.add_argument("--vocab-floor", type=int, default=8192,
+                       help="the draft vocabulary: tokens in the data + ids below this (-1: the whole vocabulary)")
     train.add_argument("--minutes", type=float, help="stop training after this long (checkpointed; rerun to resume)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--out", help="export directory (default: WORKDIR/export)")
@@ -332,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--max-tokens", type=int, default=128)
     ev.add_argument("--budgets", default="chain,8,16,32,64")
     ev.add_argument("--json", help="write the report here")
+    ev.add_argument("--engine", action="store_true",
+                    help="run every budget through the engine instead of walking the drafts (slow; same tau)")
     ev.set_defaults(func=_eval_drafter)
 
     pl = sub.add_parser("plan", help="placement for a target on a GPU node: TP x PP, replicas, GPUs, Ray bundles")

@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from .bench import read_prompts
+from .kernels.tree import Candidates, greedy_walk, grow_tree
 from .workers.drafter import DFlashConfig, DFlashDrafter
 from .workers.loading import LoadedTarget
 
@@ -399,53 +400,92 @@ def stage_export(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_id
 # --- evaluation -------------------------------------------------------------------------------
 
 
-class _Recorder:
-    """Wraps a drafter and keeps, per draft, the bonus position and its top-1 per depth."""
-
-    def __init__(self, drafter):
-        self.drafter, self.block_size, self.target_layer_ids = drafter, drafter.block_size, drafter.target_layer_ids
-        self.drafts: list[tuple[int, list[int]]] = []
-
-    def new_cache(self, batch, slots):
-        return self.drafter.new_cache(batch, slots)
-
-    def draft(self, cache, features, bonus, start):
-        logprobs = self.drafter.draft(cache, features, bonus, start)
-        self.drafts.append((int(start[0]), logprobs[0].argmax(-1).tolist()))
-        return logprobs
-
-
-def eval_drafter(target: LoadedTarget, drafter, prompts: list[str], max_tokens: int, budgets: list) -> dict:
-    """Held-out tau per budget (greedy: each round's accepted length is the deepest tree path
-    matching the target's own continuation) and top-1 accuracy per block position."""
+def _reference(target: LoadedTarget, prompts: list[str], max_tokens: int):
+    """Per prompt: the chat-templated prompt ids and the target's own greedy continuation."""
     from .config import SamplingParams
     from .workers.coordinator import Coordinator, Request
 
     tok = target.tokenizer
-    eos = (tok.eos_token_id,)
     requests = [
         Request(tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True),
-                           add_special_tokens=False), max_tokens, eos_token_ids=eos, sampling=SamplingParams())
+                           add_special_tokens=False), max_tokens, eos_token_ids=(tok.eos_token_id,), sampling=SamplingParams())
         for p in prompts
     ]
-    reference = Coordinator(target.model).generate(requests)
-    recorder = _Recorder(drafter)
-    tau = {}
+    plain = Coordinator(target.model)
+    return requests, [plain.generate([r])[0].tokens for r in tqdm(requests, desc="reference", unit="prompt")]
+
+
+@torch.no_grad()
+def _drafts_along(target: LoadedTarget, drafter, prompt: list[int], output: list[int], k: int) -> list[Candidates]:
+    """The drafter's top-k candidates with the bonus at each output position i (0 ... n-2): what
+    drafting there sees in generation -- the target's features of every token before it. One
+    target pass over the whole sequence and the drafter's batched block forward; no tree is
+    verified, because the target's choice at every node of the path is already known."""
+    seq = torch.tensor(prompt + output)
+    n = len(seq)
+    model = target.model
+    out = model(seq[None], torch.arange(n)[None], model.prefill_mask(n), model.new_cache(1, n), drafter.target_layer_ids)
+    features = out.features[0]
+    vocab = drafter.draft_vocab
+    drafts = []
+    anchors = torch.arange(len(prompt), n - 1)
+    for chunk in anchors.split(32):
+        logprobs = torch.log_softmax(drafter.block_logits(features, seq, chunk).double(), dim=-1)
+        for row in logprobs:
+            c = Candidates.top_k(row, k)
+            if vocab is not None:  # indices into the draft vocabulary -> token ids (both ascending)
+                c = Candidates(c.logprobs, [[int(vocab[t]) for t in ts] for ts in c.tokens])
+            drafts.append(c)
+    return drafts
+
+
+def _rounds(drafts: list[Candidates], output: list[int], budget) -> int:
+    """Rounds greedy speculation takes to emit `output` after its first token: each round grows
+    the tree from the drafts at the bonus, accepts the deepest path matching the output (the
+    target's own continuation) and moves past it and the new bonus -- as the engine's walk does."""
+    i, rounds, n = 0, 0, len(output)
+    while i + 1 < n:
+        c = drafts[i]
+        depths = len(c.tokens)
+        k = 1 if budget == "chain" else budget
+        tree = grow_tree(output[i], Candidates([lp[:k] for lp in c.logprobs], [t[:k] for t in c.tokens]),
+                         depths if budget == "chain" else budget)
+        choice = torch.tensor([output[i + d + 1] if i + d + 1 < n else -1 for d in tree.depths.tolist()])
+        i += len(greedy_walk(tree, choice).path)
+        rounds += 1
+    return rounds
+
+
+def eval_drafter(target: LoadedTarget, drafter, prompts: list[str], max_tokens: int, budgets: list,
+                 engine: bool = False) -> dict:
+    """Held-out tau per budget and top-1 accuracy per block position, greedy.
+
+    A round's accepted length is the deepest tree path matching the target's own continuation,
+    so tau follows from that continuation and the drafts along it (one plain decode per prompt,
+    then no verification at all). `engine=True` instead runs every budget through the engine
+    (slow; it also checks the output is the target's) -- the two agree: see the tests."""
+    requests, outputs = _reference(target, prompts, max_tokens)
+    k = max([1] + [b for b in budgets if b != "chain"])
     hits, counts = [0] * (drafter.block_size - 1), [0] * (drafter.block_size - 1)
-    for budget in tqdm(budgets, desc="eval", unit="budget"):
-        rounds = tokens = 0
-        for req, ref in zip(requests, reference):
-            recorder.drafts.clear()
-            result = Coordinator(target.model, recorder, budget).generate([req])[0]
-            assert result.tokens == ref.tokens, "speculation changed a token: not lossless"
-            rounds += len(result.rounds)
-            tokens += len(result.tokens) - 1
-            if budget == budgets[0]:
-                seq = req.prompt + ref.tokens
-                for start, top1 in recorder.drafts:
-                    for d, token in enumerate(top1, start=1):
-                        if start + d < len(seq):
-                            hits[d - 1] += token == seq[start + d]
-                            counts[d - 1] += 1
-        tau[str(budget)] = tokens / rounds if rounds else 0.0
+    rounds = {str(b): 0 for b in budgets}
+    emitted = sum(len(o) - 1 for o in outputs)
+    for req, output in tqdm(list(zip(requests, outputs)), desc="eval", unit="prompt"):
+        drafts = _drafts_along(target, drafter, req.prompt, output, k)
+        for i, c in enumerate(drafts):
+            for d, ts in enumerate(c.tokens, start=1):
+                if i + d < len(output):
+                    hits[d - 1] += ts[0] == output[i + d]
+                    counts[d - 1] += 1
+        if not engine:
+            for b in budgets:
+                rounds[str(b)] += _rounds(drafts, output, b)
+    if engine:
+        from .workers.coordinator import Coordinator
+
+        for b in budgets:
+            for req, output in zip(requests, outputs):
+                result = Coordinator(target.model, drafter, b).generate([req])[0]
+                assert result.tokens == output, "speculation changed a token: not lossless"
+                rounds[str(b)] += len(result.rounds)
+    tau = {b: emitted / r if r else 0.0 for b, r in rounds.items()}
     return {"tau": tau, "accuracy": [h / c if c else 0.0 for h, c in zip(hits, counts)], "prompts": len(prompts)}

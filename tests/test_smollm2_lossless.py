@@ -1,6 +1,6 @@
 """Speculative output on the real default target equals its plain decoding, greedy and seeded.
 
-SmolLM2-135M-Instruct in fp32, the first 10 prompts of vicuna-bench, 64 tokens each. The drafter
+SmolLM2-135M-Instruct in fp32, the first 6 prompts of vicuna-bench, 48 tokens each. The drafter
 is a noisy oracle that knows plain decoding's continuation and is right about 60% of the time,
 so rounds accept several tokens through deep tree paths (the untrained DFlash drafter almost
 never gets past the root on a real model; it runs on SmolLM2 in test_cli.py and against tiny
@@ -28,7 +28,7 @@ from .drafters import OracleDrafter
 from .ties import CDF_TIE, LOGIT_TIE, tie_gap
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "vicuna-bench.jsonl"
-MAX_TOKENS = 64
+MAX_TOKENS = 48
 SAMPLED = SamplingParams(temperature=0.7, top_p=0.9)
 
 
@@ -41,7 +41,7 @@ def first_prompts(n: int) -> list[str]:
 def vicuna_requests(smollm2):
     tok = smollm2.tokenizer
     requests = {"greedy": [], "seeded": []}
-    for i, text in enumerate(first_prompts(10)):
+    for i, text in enumerate(first_prompts(6)):
         rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
         prompt = tok.encode(rendered, add_special_tokens=False)
         eos = (tok.eos_token_id,)

@@ -105,6 +105,23 @@ def test_export_loads_drafts_and_evaluates(trained, tmp_path):
     assert len(report["accuracy"]) == 3
 
 
+def test_offline_tau_equals_the_engines(trained, tiny_chat_model, tmp_path):
+    """eval-drafter computes tau from the target's greedy continuation and the drafts along it,
+    without verifying trees; running every budget through the engine must count the same
+    rounds. float64, so that features from one prefill pass and from the engine's tree passes
+    pick the same drafts."""
+    target, work, cfg, *_ = trained
+    out = stage_export(target, work, cfg, LAYERS, tmp_path / "export")
+    target64 = load_target(tiny_chat_model, torch.float64)
+    drafter = DFlashDrafter.load(out, target64.model)
+    prompts = ["What is 4 plus 7?", "What is 1 plus 4?", "Write a poem"]
+    budgets = ["chain", 3, 8]
+    offline = eval_drafter(target64, drafter, prompts, 16, budgets)
+    engine = eval_drafter(target64, drafter, prompts, 16, budgets, engine=True)
+    assert offline == engine
+    assert max(offline["tau"].values()) > 1.0, "some drafts accepted, so the walk is exercised"
+
+
 def test_the_last_layer_cannot_be_captured(tiny_chat_model, tmp_path):
     """Regression: transformers hands back the last layer's output after the final norm, so
     features of that layer captured during generation would not be what drafting reads."""
