@@ -188,9 +188,11 @@ def _eval_drafter(args: argparse.Namespace) -> int:
     from .workers.loading import load_target
 
     target = load_target(args.model, torch.float32)
-    drafter = DFlashDrafter.load(args.drafter or default_drafter_path(), target.model)
+    directory = Path(args.drafter) if args.drafter else default_drafter_path()
+    drafter = DFlashDrafter.load(directory, target.model)
     budgets = [parse_budget(b.strip()) for b in args.budgets.split(",")]
     report = eval_drafter(target, drafter, read_prompts(args.prompts, args.limit), args.max_tokens, budgets, engine=args.engine)
+    report |= {"file": Path(args.prompts).name, "max_tokens": args.max_tokens}
     print(f"{report['prompts']} prompts from {args.prompts}, {args.max_tokens} tokens, greedy")
     print("| budget | " + " | ".join(report["tau"]) + " |")
     print("| --- |" + " --- |" * len(report["tau"]))
@@ -199,6 +201,11 @@ def _eval_drafter(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+    if args.record:
+        record = directory / "eval.json"
+        records = json.loads(record.read_text()) if record.is_file() else {}
+        records[args.record] = report
+        record.write_text(json.dumps(records, indent=2) + "\n")
     return 0
 
 
@@ -335,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     ev.add_argument("--max-tokens", type=int, default=128)
     ev.add_argument("--budgets", default="chain,8,16,32,64")
     ev.add_argument("--json", help="write the report here")
+    ev.add_argument("--record", metavar="KEY",
+                    help="also store the report under KEY in the drafter's eval.json (its tests re-check it)")
     ev.add_argument("--engine", action="store_true",
                     help="run every budget through the engine instead of walking the drafts (slow; same tau)")
     ev.set_defaults(func=_eval_drafter)

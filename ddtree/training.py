@@ -56,6 +56,7 @@ class TrainConfig:
     seed: int = 0
     held_out: float = 0.05  # share of sequences kept for held-out accuracy
     checkpoint_every: int = 100
+    snapshot_every: int = 1000  # keep the drafter's weights at these steps (train/snapshots/)
     # The drafter's head covers the tokens of the training data plus token ids below this floor
     # (byte-level BPE ids roughly follow merge order, so low ids are the common pieces); None: the
     # whole vocabulary. It makes the head, the costliest part of a training step, ~4x cheaper.
@@ -357,6 +358,8 @@ def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids
             if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
                 state.history.append((state.step, state.loss_ema, float(acc[0])))
                 save()
+            if cfg.snapshot_every and state.step % cfg.snapshot_every == 0:  # for tau against steps
+                drafter.save(ckpt_dir / "snapshots" / f"step-{state.step:06d}")
     save()
     drafter.eval()
     return state
@@ -400,7 +403,7 @@ def stage_export(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_id
 # --- evaluation -------------------------------------------------------------------------------
 
 
-def _reference(target: LoadedTarget, prompts: list[str], max_tokens: int):
+def reference_continuations(target: LoadedTarget, prompts: list[str], max_tokens: int):
     """Per prompt: the chat-templated prompt ids and the target's own greedy continuation."""
     from .config import SamplingParams
     from .workers.coordinator import Coordinator, Request
@@ -464,11 +467,28 @@ def eval_drafter(target: LoadedTarget, drafter, prompts: list[str], max_tokens: 
     so tau follows from that continuation and the drafts along it (one plain decode per prompt,
     then no verification at all). `engine=True` instead runs every budget through the engine
     (slow; it also checks the output is the target's) -- the two agree: see the tests."""
-    requests, outputs = _reference(target, prompts, max_tokens)
+    requests, outputs = reference_continuations(target, prompts, max_tokens)
+    if not engine:
+        return drafts_report(target, drafter, requests, outputs, budgets)
+    from .workers.coordinator import Coordinator
+
+    report = drafts_report(target, drafter, requests, outputs, [])
+    rounds = dict.fromkeys(map(str, budgets), 0)
+    for b in budgets:
+        for req, output in zip(requests, outputs):
+            result = Coordinator(target.model, drafter, b).generate([req])[0]
+            assert result.tokens == output, "speculation changed a token: not lossless"
+            rounds[str(b)] += len(result.rounds)
+    emitted = sum(len(o) - 1 for o in outputs)
+    return report | {"tau": {b: emitted / r if r else 0.0 for b, r in rounds.items()}}
+
+
+def drafts_report(target: LoadedTarget, drafter, requests, outputs: list[list[int]], budgets: list) -> dict:
+    """tau per budget by walking the drafts along the reference `outputs`, and top-1 accuracy
+    per block position over every position of them."""
     k = max([1] + [b for b in budgets if b != "chain"])
     hits, counts = [0] * (drafter.block_size - 1), [0] * (drafter.block_size - 1)
-    rounds = {str(b): 0 for b in budgets}
-    emitted = sum(len(o) - 1 for o in outputs)
+    rounds = dict.fromkeys(map(str, budgets), 0)
     for req, output in tqdm(list(zip(requests, outputs)), desc="eval", unit="prompt"):
         drafts = _drafts_along(target, drafter, req.prompt, output, k)
         for i, c in enumerate(drafts):
@@ -476,16 +496,8 @@ def eval_drafter(target: LoadedTarget, drafter, prompts: list[str], max_tokens: 
                 if i + d < len(output):
                     hits[d - 1] += ts[0] == output[i + d]
                     counts[d - 1] += 1
-        if not engine:
-            for b in budgets:
-                rounds[str(b)] += _rounds(drafts, output, b)
-    if engine:
-        from .workers.coordinator import Coordinator
-
         for b in budgets:
-            for req, output in zip(requests, outputs):
-                result = Coordinator(target.model, drafter, b).generate([req])[0]
-                assert result.tokens == output, "speculation changed a token: not lossless"
-                rounds[str(b)] += len(result.rounds)
+            rounds[str(b)] += _rounds(drafts, output, b)
+    emitted = sum(len(o) - 1 for o in outputs)
     tau = {b: emitted / r if r else 0.0 for b, r in rounds.items()}
-    return {"tau": tau, "accuracy": [h / c if c else 0.0 for h, c in zip(hits, counts)], "prompts": len(prompts)}
+    return {"tau": tau, "accuracy": [h / c if c else 0.0 for h, c in zip(hits, counts)], "prompts": len(requests)}

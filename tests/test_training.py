@@ -35,7 +35,7 @@ def trained(tiny_chat_model, tmp_path_factory):
     target = load_target(tiny_chat_model, torch.float32)
     stage_data(target, work, [str(prompts)], 6, 2, LAYERS, max_tokens=24, batch=4, seed=0)
     cfg = TrainConfig(block_size=4, num_layers=1, steps=40, sequences_per_step=2, anchors_per_sequence=8,
-                      warmup=5, lr=3e-3, checkpoint_every=20, held_out=0.15, mask_token_id=16,
+                      warmup=5, lr=3e-3, checkpoint_every=20, snapshot_every=20, held_out=0.15, mask_token_id=16,
                       vocab_floor=256)
     before = init_drafter(target, cfg, LAYERS)
     state = stage_train(target, work, cfg, LAYERS)
@@ -90,6 +90,7 @@ def test_training_lowers_the_loss_and_resumes(trained):
     longer = TrainConfig(**{**cfg.__dict__, "steps": 45})
     resumed = stage_train(target, work, longer, LAYERS)
     assert resumed.step == 45 and resumed.history[0][0] == 20, "resumed from the step-40 checkpoint"
+    assert sorted(f.name for f in (work / "train" / "snapshots").iterdir()) == ["step-000020", "step-000040"]
 
 
 def test_export_loads_drafts_and_evaluates(trained, tmp_path):
