@@ -317,19 +317,26 @@ class DFlashDrafter(nn.Module):
 
     @torch.inference_mode()
     def draft(self, cache: DraftCache, features, bonus, start) -> torch.Tensor:
-        return torch.log_softmax(self.draft_logits(cache, features, bonus, start).double(), dim=-1)
+        logprobs = torch.log_softmax(self._logits(cache, features, bonus, start).double(), dim=-1)
+        return self._to_vocab(logprobs)
 
     @torch.inference_mode()
     def draft_logits(self, cache: DraftCache, features, bonus, start) -> torch.Tensor:
         """The block's logits [B, B_blk - 1, V] (draft() is their log-softmax); -inf for
         tokens outside the draft vocabulary."""
+        return self._to_vocab(self._logits(cache, features, bonus, start))
+
+    def _logits(self, cache: DraftCache, features, bonus, start) -> torch.Tensor:
         dev = self.fc.weight.device  # inputs may come from another device or process
         features, bonus, start = features.to(dev), bonus.to(dev), start.to(dev)
-        logits = self.head(self.hidden(cache, features, bonus, start)[:, 1:])
+        return self.head(self.hidden(cache, features, bonus, start)[:, 1:])
+
+    def _to_vocab(self, values: torch.Tensor) -> torch.Tensor:
+        """Values over the draft vocabulary -> over the whole one, -inf for the rest."""
         if self.draft_vocab is None:
-            return logits
-        full = logits.new_full((*logits.shape[:-1], self.config.vocab_size), float("-inf"))
-        return full.index_copy_(-1, self.draft_vocab.to(logits.device), logits)
+            return values
+        full = values.new_full((*values.shape[:-1], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(-1, self.draft_vocab.to(values.device), values)
 
     # --- checkpoints ----------------------------------------------------------------------
 
