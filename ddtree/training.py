@@ -445,7 +445,12 @@ def _drafts_along(target: LoadedTarget, drafter, prompt: list[int], output: list
 def _rounds(drafts: list[Candidates], output: list[int], budget) -> int:
     """Rounds greedy speculation takes to emit `output` after its first token: each round grows
     the tree from the drafts at the bonus, accepts the deepest path matching the output (the
-    target's own continuation) and moves past it and the new bonus -- as the engine's walk does."""
+    target's own continuation) and moves past it and the new bonus -- as the engine's walk does.
+
+    Example, chain: output [5, 9, 2, 7, 3]; at i = 0 (bonus 5) the drafts are 9, 2, 8: the
+    path 5 -> 9 -> 2 matches, 8 does not (the target says 7), so the round emits 9, 2 and the
+    bonus 7, and i = 3; at i = 3 (bonus 7) the drafts are 1, ...: nothing matches, the round
+    emits the bonus 3, i = 4 = the last token: 2 rounds for the 4 tokens after the first."""
     i, rounds, n = 0, 0, len(output)
     while i + 1 < n:
         c = drafts[i]

@@ -129,3 +129,20 @@ def test_the_last_layer_cannot_be_captured(tiny_chat_model, tmp_path):
     target = load_target(tiny_chat_model, torch.float32)
     with pytest.raises(ValueError, match="last"):
         stage_data(target, tmp_path, [], 0, 0, (0, 1), max_tokens=4, batch=2, seed=0)
+
+
+def test_rounds_walk_the_trees_along_the_output():
+    """The accepted path of a round is the deepest tree path matching the output; a budget that
+    reaches one node deeper saves a round. Output [5, 9, 2, 7, 3]; drafts at the bonus 5 rank 4
+    over 9 at depth 1, then 2 and 7 below: the best-first tree holds 5 -> 9 -> 2 -> 7 only from
+    budget 6 on ((4), (4,2), (4,2,7), (9), (9,2), (9,2,7))."""
+    from ddtree.kernels.tree import Candidates
+    from ddtree.training import _rounds
+
+    at_5 = Candidates([[-0.5, -0.9], [-0.1, -2.0], [-0.1, -3.0]], [[4, 9], [2, 6], [7, 1]])
+    miss = Candidates([[-0.1, -0.2]] * 3, [[0, 1]] * 3)
+    drafts = [at_5, miss, miss, miss]
+    output = [5, 9, 2, 7, 3]
+    assert _rounds(drafts, output, 6) == 1  # 9, 2, 7 accepted + bonus 3
+    assert _rounds(drafts, output, 5) == 2  # 9, 2 + bonus 7; then the bonus 3 alone
+    assert _rounds(drafts, output, "chain") == 4  # the chain 4, 2, 7 misses at once, every round
