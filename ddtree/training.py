@@ -429,7 +429,7 @@ def _drafts_along(target: LoadedTarget, drafter, prompt: list[int], output: list
     model = target.model
     out = model(seq[None], torch.arange(n)[None], model.prefill_mask(n), model.new_cache(1, n), drafter.target_layer_ids)
     features = out.features[0]
-    vocab = drafter.draft_vocab
+    vocab = drafter.draft_vocab.tolist() if drafter.draft_vocab is not None else None
     drafts = []
     anchors = torch.arange(len(prompt), n - 1)
     for chunk in anchors.split(32):
@@ -437,7 +437,7 @@ def _drafts_along(target: LoadedTarget, drafter, prompt: list[int], output: list
         for row in logprobs:
             c = Candidates.top_k(row, k)
             if vocab is not None:  # indices into the draft vocabulary -> token ids (both ascending)
-                c = Candidates(c.logprobs, [[int(vocab[t]) for t in ts] for ts in c.tokens])
+                c = Candidates(c.logprobs, [[vocab[t] for t in ts] for ts in c.tokens])
             drafts.append(c)
     return drafts
 
@@ -451,13 +451,12 @@ def _rounds(drafts: list[Candidates], output: list[int], budget) -> int:
     path 5 -> 9 -> 2 matches, 8 does not (the target says 7), so the round emits 9, 2 and the
     bonus 7, and i = 3; at i = 3 (bonus 7) the drafts are 1, ...: nothing matches, the round
     emits the bonus 3, i = 4 = the last token: 2 rounds for the 4 tokens after the first."""
+    k = 1 if budget == "chain" else budget  # candidates per depth, as the Coordinator asks for
     i, rounds, n = 0, 0, len(output)
     while i + 1 < n:
         c = drafts[i]
-        depths = len(c.tokens)
-        k = 1 if budget == "chain" else budget
         tree = grow_tree(output[i], Candidates([lp[:k] for lp in c.logprobs], [t[:k] for t in c.tokens]),
-                         depths if budget == "chain" else budget)
+                         len(c.tokens) if budget == "chain" else budget)
         choice = torch.tensor([output[i + d + 1] if i + d + 1 < n else -1 for d in tree.depths.tolist()])
         i += len(greedy_walk(tree, choice).path)
         rounds += 1

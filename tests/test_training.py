@@ -81,12 +81,11 @@ def test_training_lowers_the_loss_and_resumes(trained):
     after = init_drafter(target, cfg, LAYERS, saved["drafter"])
     before.set_draft_vocab(after.draft_vocab)  # the same head for both losses
     assert fixed_batch_loss(after, sequences, cfg) < 0.8 * fixed_batch_loss(before, sequences, cfg)
-    held_out = sequences[: state.held_out]
-    assert 1 <= state.held_out < len(sequences)
+    assert state.held_out == max(1, int(len(sequences) * cfg.held_out)) == 1
     seen = torch.cat([t for t, _, _ in sequences[state.held_out :]]).unique()
     assert set(after.draft_vocab.tolist()) == set(seen.tolist()) | set(range(cfg.vocab_floor)), \
         "draft vocabulary = the training tokens + the ids below the floor"
-    assert held_out and after.config.draft_vocab_size < target.model.config.vocab_size
+    assert after.config.draft_vocab_size < target.model.config.vocab_size
     longer = TrainConfig(**{**cfg.__dict__, "steps": 45})
     resumed = stage_train(target, work, longer, LAYERS)
     assert resumed.step == 45 and resumed.history[0][0] == 20, "resumed from the step-40 checkpoint"
@@ -146,3 +145,19 @@ def test_rounds_walk_the_trees_along_the_output():
     assert _rounds(drafts, output, 6) == 1  # 9, 2, 7 accepted + bonus 3
     assert _rounds(drafts, output, 5) == 2  # 9, 2 + bonus 7; then the bonus 3 alone
     assert _rounds(drafts, output, "chain") == 4  # the chain 4, 2, 7 misses at once, every round
+
+
+def test_a_grown_data_plan_keeps_its_shards_and_appends_the_new_prompts(tmp_path):
+    """Rerunning the data stage with a larger --limit-per-file must not reshuffle the prompts of
+    shards already generated (they are on disk, with their features): only new shards follow."""
+    from ddtree.training import plan_prompts
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question": f"q{i}"}) for i in range(7)))
+    plan = tmp_path / "prompts.json"
+    first = plan_prompts(None, plan, [str(prompts)], 3, 0, batch=2, seed=0)
+    assert sorted(m for shard in first for m in shard) == ["q0", "q1", "q2"] and len(first) == 2
+    grown = plan_prompts(None, plan, [str(prompts)], 6, 0, batch=2, seed=0)
+    assert grown[:2] == first
+    assert sorted(m for shard in grown[2:] for m in shard) == ["q3", "q4", "q5"]
+    assert plan_prompts(None, plan, [str(prompts)], 6, 0, batch=2, seed=0) == grown, "a rerun changes nothing"
