@@ -1,5 +1,5 @@
 """Held-out tau against training steps: every snapshot a `train-drafter` run kept
-(WORKDIR/train/snapshots/step-N, one per --snapshot-every steps), on the same prompts and the
+(WORKDIR/train/snapshots/step-N, one per TrainConfig.snapshot_every = 1000 steps), on the same prompts and the
 same reference continuations, plus the training-set accuracy the run logged at those steps.
 
     python benchmarks/drafter_scaling.py --workdir runs/smollm2 --prompts ../shared/data/gsm8k-test.jsonl \

@@ -483,8 +483,13 @@ def eval_drafter(target: LoadedTarget, drafter, prompts: list[str], max_tokens: 
             result = Coordinator(target.model, drafter, b).generate([req])[0]
             assert result.tokens == output, "speculation changed a token: not lossless"
             rounds[str(b)] += len(result.rounds)
+    return report | {"tau": _tau(outputs, rounds)}
+
+
+def _tau(outputs: list[list[int]], rounds: dict) -> dict:
+    """Tokens emitted after each output's first (the prefill's) per round, per budget."""
     emitted = sum(len(o) - 1 for o in outputs)
-    return report | {"tau": {b: emitted / r if r else 0.0 for b, r in rounds.items()}}
+    return {b: emitted / r if r else 0.0 for b, r in rounds.items()}
 
 
 def drafts_report(target: LoadedTarget, drafter, requests, outputs: list[list[int]], budgets: list) -> dict:
@@ -502,6 +507,4 @@ def drafts_report(target: LoadedTarget, drafter, requests, outputs: list[list[in
                     counts[d - 1] += 1
         for b in budgets:
             rounds[str(b)] += _rounds(drafts, output, b)
-    emitted = sum(len(o) - 1 for o in outputs)
-    tau = {b: emitted / r if r else 0.0 for b, r in rounds.items()}
-    return {"tau": tau, "accuracy": [h / c if c else 0.0 for h, c in zip(hits, counts)], "prompts": len(requests)}
+    return {"tau": _tau(outputs, rounds), "accuracy": [h / c if c else 0.0 for h, c in zip(hits, counts)], "prompts": len(requests)}
