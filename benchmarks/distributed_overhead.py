@@ -25,7 +25,7 @@ from ddtree.workers.distributed import DistributedEngine, WorkerSpec
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.loading import load_target
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k-test.jsonl"
+DATA = Path(__file__).resolve().parent / "data" / "gsm8k-test.jsonl"
 
 
 def main() -> None:

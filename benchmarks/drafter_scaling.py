@@ -2,7 +2,7 @@
 (WORKDIR/train/snapshots/step-N, one per TrainConfig.snapshot_every = 1000 steps), on the same prompts and the
 same reference continuations, plus the training-set accuracy the run logged at those steps.
 
-    python benchmarks/drafter_scaling.py --workdir runs/smollm2 --prompts ../shared/data/gsm8k-test.jsonl \
+    python benchmarks/drafter_scaling.py --workdir runs/smollm2 --prompts benchmarks/data/gsm8k-test.jsonl \
         [--limit 20] [--max-tokens 128] [--budgets chain,8,16,32,64] [--json OUT] [--plot OUT.png]
 
 A curve still climbing at the last step says the drafter is short of steps; a training accuracy

@@ -36,7 +36,7 @@ from ddtree.serve.config import ServeConfig
 from .conftest import CHAT_SAMPLE, MODEL, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-CRDS = ROOT.parent / "shared" / "k8s"
+CRDS = ROOT / "tests" / "data" / "k8s"  # KubeRay CRD schemas, SOURCES.md there
 
 
 # --- the dashboard as code ------------------------------------------------------------------

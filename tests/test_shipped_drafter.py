@@ -21,7 +21,7 @@ from ddtree.engine import shipped_drafter
 from ddtree.training import eval_drafter
 from ddtree.workers.drafter import DFlashDrafter
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k-test.jsonl"
+DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "gsm8k-test.jsonl"
 
 
 def recorded() -> dict:

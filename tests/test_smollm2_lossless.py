@@ -27,7 +27,7 @@ from ddtree.workers.coordinator import Coordinator, Request
 from .drafters import OracleDrafter
 from .ties import CDF_TIE, LOGIT_TIE, tie_gap
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "vicuna-bench.jsonl"
+DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "vicuna-bench.jsonl"
 MAX_TOKENS = 48
 SAMPLED = SamplingParams(temperature=0.7, top_p=0.9)
 
