@@ -30,10 +30,16 @@ def our_logits(model, ids: torch.Tensor, capture=()):
             {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}},
         ),
+        ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+        ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
+        ("qwen3", {"rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 16,
+                                    "beta_fast": 8, "beta_slow": 2, "mscale": 1.2, "mscale_all_dim": 0.8}}),
     ],
-    ids=["llama", "qwen3", "llama3-rope-scaling"],
+    ids=["llama", "qwen3", "llama3-rope-scaling", "linear-rope-scaling", "yarn-rope-scaling", "yarn-mscale"],
 )
 def test_logits_match_transformers(tmp_path, family, overrides):
+    """Our forward against transformers'; the rope-scaled cases also pin our rotary frequencies to
+    transformers' own rope init (a yarn or linear config used to load and run plain RoPE)."""
     hf = make_hf_model(family, **overrides).to(torch.float32)
     hf.save_pretrained(tmp_path)
     ours = load_target_weights(tmp_path, torch.float32)

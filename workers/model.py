@@ -39,25 +39,20 @@ class ModelConfig:
     rms_norm_eps: float
     tie_word_embeddings: bool
     attention_bias: bool = False
-    rope_scaling: dict | None = None  # Llama-3 style {"rope_type": "llama3", "factor": ...}
+    rope_scaling: dict | None = None  # resolved by read_rope: {"rope_type": "llama3" | "linear" | "yarn", ...}
     max_position_embeddings: int = 8192
 
     @classmethod
     def from_hf(cls, hf: dict) -> "ModelConfig":
-        """Reads a Hugging Face config.json dict (transformers 4.x or 5.x spelling)."""
+        """Reads a Hugging Face config.json dict (transformers 4.x or 5.x spelling). Refuses what
+        this model code would run differently from transformers (see read_rope, require_full_attention)."""
         family = hf.get("model_type")
         if family not in FAMILIES:
             raise ValueError(
                 f"model_type {family!r} is not supported; ddtree implements {', '.join(FAMILIES)}"
             )
-        rope = dict(hf.get("rope_parameters") or {})
-        legacy_scaling = hf.get("rope_scaling") or {}
-        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-        scaling = {**legacy_scaling, **rope}
-        scaling.pop("rope_theta", None)
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type not in ("default", "llama3"):
-            raise ValueError(f"rope_type {rope_type!r} is not supported (default, llama3)")
+        require_full_attention(hf, "target")
+        theta, scaling = read_rope(hf, "target")
         heads = hf["num_attention_heads"]
         return cls(
             family=family,
@@ -68,39 +63,151 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=hf.get("num_key_value_heads") or heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rope_theta=float(theta),
+            rope_theta=theta,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", False)),
-            rope_scaling=scaling if rope_type == "llama3" else None,
+            rope_scaling=scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        )
+
+
+def require_full_attention(hf: dict, what: str) -> None:
+    """Refuses sliding-window layers: every layer here attends to the whole prefix, so running a
+    sliding-window layer as a full one would silently change the output past the window.
+
+    The layer kinds are `layer_types` when the config names them (transformers >= 4.54 writes
+    it; all "full_attention" loads), else what transformers derives for qwen3 from the older
+    fields: `use_sliding_window` with a `sliding_window` makes layers >= `max_window_layers`
+    sliding."""
+    layers = hf.get("num_hidden_layers", 0)
+    kinds = hf.get("layer_types")
+    if kinds is None and hf.get("use_sliding_window") and hf.get("sliding_window"):
+        first = hf.get("max_window_layers", 28)
+        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    other = sorted({k for k in kinds or () if k != "full_attention"})
+    if other:
+        raise ValueError(
+            f"{what} config: layer_types {other} are not supported: ddtree implements full-attention layers "
+            f"only and refuses to run {other[0]!r} layers as full attention (the output would differ)"
         )
 
 
 # --- rotary position embedding --------------------------------------------------------------
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """[D/2] float64 inverse frequencies, with Llama-3 frequency scaling when configured."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
-    if not scaling:
-        return inv_freq
-    factor = scaling["factor"]
-    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-    old_ctx = scaling["original_max_position_embeddings"]
+
+def read_rope(hf: dict, what: str) -> tuple[float, dict | None]:
+    """(theta, scaling) of a config.json: `rope_theta` and `rope_scaling` (transformers 4.x) or
+    `rope_parameters` (5.x). scaling is None for plain RoPE, else a dict with its `rope_type` and
+    `original_max_position_embeddings` filled in as transformers fills them. Types other than
+    ROPE_TYPES are refused: `dynamic` rescales with the sequence length (a prefix's keys would
+    change as it grows), `longrope` switches frequencies by length."""
+    rope = dict(hf.get("rope_parameters") or {})
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise ValueError(f"{what} config: rope_parameters per layer type are not supported")
+    scaling = {**(hf.get("rope_scaling") or {}), **rope}
+    theta = float(hf.get("rope_theta", scaling.pop("rope_theta", 10000.0)))
+    scaling.pop("rope_theta", None)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"{what} config: rope_type {rope_type!r} is not supported; ddtree implements {', '.join(ROPE_TYPES)}"
+        )
+    partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"{what} config: partial_rotary_factor {partial} is not supported (only 1.0)")
+    if rope_type == "default":
+        return theta, None
+    scaling["rope_type"] = rope_type
+    if rope_type in ("llama3", "yarn"):
+        scaling.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings", 8192))
+    if rope_type == "yarn" and scaling.get("factor") is None:
+        scaling["factor"] = hf["max_position_embeddings"] / scaling["original_max_position_embeddings"]
+    return theta, scaling
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict, head_dim: int, theta: float):
+    """Llama 3.1: long wavelengths divided by `factor`, short ones kept, a smooth blend between."""
+    factor = s["factor"]
+    low, high = s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_ctx = s["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
     smooth = (old_ctx / wavelen - low) / (high - low)
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
-    return torch.where(medium, smoothed, scaled)
+    return torch.where(medium, smoothed, scaled), 1.0
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+def _linear_inv_freq(inv_freq: torch.Tensor, s: dict, head_dim: int, theta: float):
+    """Position interpolation: every position divided by `factor`."""
+    return inv_freq / s["factor"], 1.0
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, s: dict, head_dim: int, theta: float):
+    """YaRN (Peng et al. 2023): dimensions that turn more than `beta_fast` times over the original
+    context keep their frequency, those turning fewer than `beta_slow` times are interpolated
+    (divided by `factor`), a linear ramp blends the ones between; cos and sin are multiplied by
+    the attention factor 0.1 ln(factor) + 1 (or the ratio of the `mscale` / `mscale_all_dim`
+    versions, or `attention_factor` as given).
+
+    Example: head_dim 8, theta 10000, factor 4, original context 16 -> the dimension that turns
+    r times over 16 positions is 8 ln(16 / (2 pi r)) / (2 ln 10000); r = 32 gives < 0 (so 0) and
+    r = 1 gives 0.41, ceil 1: pair 0 keeps its frequency, pairs 1-3 are divided by 4."""
+    factor, old_ctx = s["factor"], s["original_max_position_embeddings"]
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = s.get("attention_factor")
+    if attention is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def turning_dim(rotations: float) -> float:  # the dimension that turns `rotations` times over old_ctx
+        return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = turning_dim(s.get("beta_fast") or 32), turning_dim(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency, 0: interpolated
+    return inv_freq / factor * (1 - keep) + inv_freq * keep, float(attention)
+
+
+ROPE_SCALINGS = {"llama3": _llama3_inv_freq, "linear": _linear_inv_freq, "yarn": _yarn_inv_freq}
+
+
+@dataclass(frozen=True)
+class Rope:
+    """What a forward needs to rotate queries and keys."""
+
+    inv_freq: torch.Tensor  # [D/2] float64
+    attention_factor: float = 1.0  # cos and sin are multiplied by it (YaRN); 1 otherwise
+
+    def to(self, device) -> "Rope":
+        return Rope(self.inv_freq.to(device), self.attention_factor)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> Rope:
+    """The rotary frequencies of a config (read_rope's theta and scaling), in float64."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim)
+    if not scaling:
+        return Rope(inv_freq)
+    return Rope(*ROPE_SCALINGS[scaling["rope_type"]](inv_freq, scaling, head_dim, theta))
+
+
+def rope_cos_sin(positions: torch.Tensor, rope: Rope, dtype: torch.dtype):
     """positions [B, Q] int64 -> cos, sin [B, 1, Q, D] (broadcast over heads)."""
-    freqs = positions.to(torch.float64)[..., None] * inv_freq.to(positions.device)
+    freqs = positions.to(torch.float64)[..., None] * rope.inv_freq.to(positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+    scale = rope.attention_factor
+    return (emb.cos() * scale).to(dtype)[:, None], (emb.sin() * scale).to(dtype)[:, None]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -177,6 +284,9 @@ class KVCache:
     def slots(self) -> int:
         return self.k.shape[3]
 
+    def bind(self, block_mask, q_len: int) -> "DenseView":
+        return DenseView(self, block_mask, q_len)
+
 
 def slot_mask(lengths: torch.Tensor, block_mask: torch.Tensor, span: int) -> torch.Tensor:
     """[B, Q, span] bool over cache slots: row b's block sits at slots lengths[b] ... + Q - 1.
@@ -188,11 +298,40 @@ def slot_mask(lengths: torch.Tensor, block_mask: torch.Tensor, span: int) -> tor
          [1, 1, 1, 1]]
     """
     b, q_len, _ = block_mask.shape
-    mask = torch.zeros(b, q_len, span, dtype=torch.bool, device=block_mask.device)
-    for row, at in enumerate(lengths.tolist()):
-        mask[row, :, :at] = True
-        mask[row, :, at : at + q_len] = block_mask[row]
-    return mask
+    rel = torch.arange(span, device=block_mask.device)[None, :] - lengths.to(block_mask.device)[:, None]  # [B, span]
+    in_block = (rel >= 0) & (rel < q_len)
+    columns = rel.clamp(0, q_len - 1)[:, None, :].expand(b, q_len, span)
+    return (rel < 0)[:, None, :] | (in_block[:, None, :] & block_mask.gather(2, columns))
+
+
+class DenseView:
+    """A KVCache bound to one forward: row b's block goes to slots lengths[b] ... + Q - 1 and
+    attends over slots [0, span) under `mask` [B, 1, Q, span] bool -- or, on the device path,
+    under TreeBits read by the Triton tree-attention kernel (no host read of the lengths)."""
+
+    def __init__(self, cache: KVCache, block_mask, q_len: int):
+        self.cache = cache
+        if isinstance(block_mask, TreeBits) and use_triton(cache.k):
+            self.span, self.mask = cache.slots, block_mask  # the kernel bounds each row by its length
+        else:
+            if isinstance(block_mask, TreeBits):
+                block_mask = block_mask.dense()
+            self.span = int(cache.lengths.max()) + q_len
+            if self.span > cache.slots:
+                raise ValueError(f"KV cache has {cache.slots} slots; this block needs {self.span}")
+            self.mask = slot_mask(cache.lengths, block_mask, self.span)[:, None]
+
+    def attend(self, layer: int, q, k, v):
+        """q [B, Hq, Q, D]; k, v [B, Hkv, Q, D] of the block -> [B, Hq, Q, D]."""
+        cache, (b, kv_heads, q_len, head_dim) = self.cache, k.shape
+        slots = (cache.lengths[:, None] + torch.arange(q_len, device=k.device))[:, None, :, None]
+        slots = slots.expand(b, kv_heads, q_len, head_dim)
+        cache.k[layer].scatter_(2, slots, k.to(cache.k.dtype))
+        cache.v[layer].scatter_(2, slots, v.to(cache.v.dtype))
+        keys, values = cache.k[layer, :, :, : self.span], cache.v[layer, :, :, : self.span]
+        if isinstance(self.mask, TreeBits):
+            return tree_attention(q, keys, values, cache.lengths, self.mask.bits)
+        return attend(q, keys, values, self.mask)
 
 
 class Attention(nn.Module):
@@ -208,10 +347,10 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer: int, cache: KVCache, span: int, mask):
-        """x [B, Q, H]. Writes the block's keys and values at slots lengths[b] + i of `layer`,
-        then attends over slots [0, span) under mask [B, 1, Q, span] bool, or under TreeBits
-        (the committed prefix plus the block's ancestor bits: the Triton tree-attention kernel)."""
+    def forward(self, x, cos, sin, layer: int, view):
+        """x [B, Q, H]. `view` (the cache bound to this forward: DenseView or a paged pool's
+        view) writes the block's keys and values into its cache and attends over what each
+        query may see."""
         b, q_len, _ = x.shape
         q = self.q_proj(x).view(b, q_len, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, q_len, self.kv_heads, self.head_dim)
@@ -220,18 +359,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
-        v = v.transpose(1, 2)
-        if isinstance(mask, TreeBits):  # the device path: no host read of the lengths
-            slots = (cache.lengths[:, None] + torch.arange(q_len, device=x.device))[:, None, :, None]
-            slots = slots.expand(b, self.kv_heads, q_len, self.head_dim)
-            cache.k[layer].scatter_(2, slots, k.to(cache.k.dtype))
-            cache.v[layer].scatter_(2, slots, v.to(cache.v.dtype))
-            out = tree_attention(q, cache.k[layer, :, :, :span], cache.v[layer, :, :, :span], cache.lengths, mask.bits)
-        else:
-            for row, at in enumerate(cache.lengths.tolist()):
-                cache.k[layer, row, :, at : at + q_len] = k[row]
-                cache.v[layer, row, :, at : at + q_len] = v[row]
-            out = attend(q, cache.k[layer, :, :, :span], cache.v[layer, :, :, :span], mask)
+        out = view.attend(layer, q, k, v.transpose(1, 2))
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
 
@@ -243,9 +371,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer, cache, span, mask, reduce):
+    def forward(self, x, cos, sin, layer, view, reduce):
         """`reduce` sums the partial outputs of tensor-parallel shards (identity in one process)."""
-        x = x + reduce(self.self_attn(self.input_layernorm(x), cos, sin, layer, cache, span, mask))
+        x = x + reduce(self.self_attn(self.input_layernorm(x), cos, sin, layer, view))
         return x + reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -290,13 +418,13 @@ class TargetModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rope = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
 
     def _apply(self, fn, recurse=True):
         """.to() / .cuda() also move the float64 rotary frequencies (a plain attribute, so that
         dtype casts leave them float64)."""
         out = super()._apply(fn, recurse)
-        self.inv_freq = self.inv_freq.to(self.lm_head.weight.device)
+        self.rope = self.rope.to(self.lm_head.weight.device)
         return out
 
     @property
@@ -316,7 +444,7 @@ class TargetModel(nn.Module):
         tokens: torch.Tensor,  # [B, Q] int64
         positions: torch.Tensor,  # [B, Q] int64 absolute positions (start + depth for a tree)
         block_mask,  # [B, Q, Q] bool, row i may see column j of the block; or TreeBits
-        cache: KVCache,
+        cache,  # KVCache, or a batch of a paged pool (workers.kv_pool.PagedBatch): bind(mask, Q)
         capture_layers: tuple[int, ...] = (),
         logits_to_keep: int = 0,  # 0 = every row
     ) -> ForwardOutput:
@@ -324,22 +452,12 @@ class TargetModel(nn.Module):
         values at slots lengths[b] ... lengths[b] + Q - 1. It does not advance `lengths`: the
         caller commits what it keeps (see kernels.tree.compact_kv)."""
         b, q_len = tokens.shape
-        if isinstance(block_mask, TreeBits) and use_triton(tokens):
-            # The device path reads no length on the host (so a CUDA graph can capture it): the
-            # kernel bounds each row's keys by its length; the caller sized the cache.
-            span, mask = cache.slots, block_mask
-        else:
-            if isinstance(block_mask, TreeBits):
-                block_mask = block_mask.dense()
-            span = int(cache.lengths.max()) + q_len
-            if span > cache.slots:
-                raise ValueError(f"KV cache has {cache.slots} slots; this block needs {span}")
-            mask = slot_mask(cache.lengths, block_mask, span)[:, None]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)
+        view = cache.bind(block_mask, q_len)
+        cos, sin = rope_cos_sin(positions, self.rope, self.dtype)
         x = self.parallel.embed(self.model.embed_tokens, tokens)
         captured = []
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, cache, span, mask, self.parallel.all_reduce)
+            x = layer(x, cos, sin, i, view, self.parallel.all_reduce)
             if i in capture_layers:
                 captured.append((capture_layers.index(i), x))
         keep = x[:, -logits_to_keep:] if logits_to_keep else x
