@@ -13,7 +13,8 @@
    MASK x (B-1)]; context features strictly before the anchor; bidirectional attention in the
    block; label at block position k = token at anchor + k; cross-entropy weighted by
    exp(-(k-1)/gamma); the target, its embedding and LM head frozen; AdamW, warmup, cosine.
-3. export: the checkpoint directory (bf16 safetensors) and a model card.
+3. export: the checkpoint directory (bf16 safetensors) and a model card; ddtree's layout by
+   default, or exactly the published one (`--export-layout published`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tqdm import tqdm
 
 from .bench import read_prompts
 from .kernels.tree import Candidates, greedy_walk, grow_tree
-from .workers.drafter import DFlashConfig, DFlashDrafter
+from .workers.drafter import DFlashConfig, DFlashDrafter, check_target_layer_ids
 from .workers.loading import LoadedTarget
 
 OPENERS = (
@@ -157,12 +158,7 @@ def stage_data(target: LoadedTarget, workdir: Path, prompt_files: list[str], lim
                self_prompt_count: int, layer_ids, max_tokens: int, batch: int, seed: int) -> None:
     from transformers import AutoModelForCausalLM
 
-    last = target.model.config.num_hidden_layers - 1
-    if max(layer_ids) >= last:
-        raise ValueError(
-            f"target layer {max(layer_ids)} is the target's last: transformers returns its output after "
-            f"the final norm, not the layer's own; choose layers below {last}"
-        )
+    check_target_layer_ids(layer_ids, target.model.config.num_hidden_layers)
     data = workdir / "data"
     data.mkdir(parents=True, exist_ok=True)
     shards = plan_prompts(target, data / "prompts.json", prompt_files, limit_per_file, self_prompt_count, batch, seed)
@@ -369,14 +365,17 @@ def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids
 
 
 def stage_export(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids, out: Path,
-                 data_note: str = "", eval_summary: str = "") -> Path:
+                 data_note: str = "", eval_summary: str = "", layout: str = "ddtree") -> Path:
+    """The trained drafter in `layout` (DFlashDrafter.save: "ddtree", or "published" for other
+    stacks, which refuses a drafter with a draft vocabulary) with a model card."""
     saved = torch.load(workdir / "train" / "checkpoint.pt", weights_only=False)
     drafter = init_drafter(target, cfg, layer_ids, saved["drafter"])
     sequences = load_sequences(workdir)
     held_out = sequences[: saved["state"].get("held_out") or max(1, int(len(sequences) * cfg.held_out))]
     accuracy = evaluate_accuracy(drafter.eval(), held_out, cfg)
     out.mkdir(parents=True, exist_ok=True)
-    drafter.to(torch.bfloat16).save(out)
+    tok = target.tokenizer
+    drafter.to(torch.bfloat16).save(out, layout, tok.bos_token_id, tok.eos_token_id)
     state = saved["state"]
     n_seq = len(sequences)
     n_tokens = sum(len(t) for t, _, _ in sequences)

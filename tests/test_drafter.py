@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from ddtree.workers.drafter import DFlashDrafter
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, LAYERS, BLOCK = 32, 4, 2, 8, 48, 2, 5
-TARGET_LAYERS = [0, 2]
+TARGET_LAYERS = [0, 1]  # not 2: the 3-layer target's last layer is refused (check_target_layer_ids)
 
 
 def write_published_checkpoint(directory, vocab: int, seed: int = 0):

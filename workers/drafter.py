@@ -11,7 +11,12 @@ config.json with qwen3 fields plus `block_size`, `num_target_layers`,
 `dflash_config.target_layer_ids`, `dflash_config.mask_token_id`; weights `fc.weight`,
 `hidden_norm.weight`, `layers.N.self_attn.{q,k,v,o}_proj.weight`, `layers.N.self_attn.{q,k}_norm.weight`,
 `layers.N.{input,post_attention}_layernorm.weight`, `layers.N.mlp.{gate,up,down}_proj.weight`,
-`norm.weight`.
+`norm.weight`; in one model.safetensors or sharded with a model.safetensors.index.json.
+`save(layout="published")` writes exactly z-lab's config.json keys (`auto_map` included).
+Refused with an error, never run approximately: a target_layer_ids entry that is the target's
+last layer (check_target_layer_ids), sliding-window or causal drafter layers, rope types other
+than default / linear / llama3 / yarn, DFlash2 and other architectures, and the dflash_config
+scalings of UNSUPPORTED_DFLASH_KEYS.
 
 One optional addition of ours: a *draft vocabulary*. `dflash_config.draft_vocab_size` = V_d and
 an int64 tensor `draft_vocab` [V_d] (sorted token ids) in the weights: the drafter's head is
@@ -32,10 +37,13 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
-from .model import MLP, RMSNorm, TargetModel, apply_rope, attend, rope_cos_sin, rope_inv_freq
+from .loading import read_safetensors_dir
+from .model import (
+    MLP, RMSNorm, TargetModel, apply_rope, attend, read_rope, require_full_attention, rope_cos_sin, rope_inv_freq,
+)
 
 
 class Proposer(Protocol):
@@ -69,13 +77,29 @@ class DFlashConfig:
     target_layer_ids: tuple[int, ...]
     mask_token_id: int
     draft_vocab_size: int = 0  # 0: the whole vocabulary
+    rope_scaling: dict | None = None  # as ModelConfig.rope_scaling (read_rope)
+    max_position_embeddings: int = 40960
 
     @classmethod
     def from_hf(cls, hf: dict) -> "DFlashConfig":
+        """Reads a drafter's config.json; refuses what this drafter would run differently from
+        the reference (z-lab/dflash): other architectures, sliding-window or causal layers, rope
+        types it does not implement, and the extra scalings some newer checkpoints declare."""
         dflash = hf.get("dflash_config") or {}
-        rope = hf.get("rope_parameters") or {}
         if "target_layer_ids" not in dflash or "mask_token_id" not in dflash:
             raise ValueError("drafter config.json needs dflash_config.target_layer_ids and .mask_token_id")
+        architectures = hf.get("architectures") or ["DFlashDraftModel"]
+        if architectures != ["DFlashDraftModel"]:
+            raise ValueError(f"drafter architectures {architectures} are not supported; ddtree runs DFlashDraftModel")
+        require_full_attention(hf, "drafter")
+        if hf.get("is_causal"):
+            raise ValueError("drafter config: is_causal true is not supported; DFlash blocks attend bidirectionally")
+        changed = {k: dflash[k] for k in UNSUPPORTED_DFLASH_KEYS if dflash.get(k) not in (None, False, 1, 1.0)}
+        if changed:
+            raise ValueError(f"drafter config: dflash_config {changed} is not supported (it changes the forward)")
+        if hf.get("attention_bias"):
+            raise ValueError("drafter config: attention_bias true is not supported (DFlash projections have no bias)")
+        theta, scaling = read_rope(hf, "drafter")
         heads = hf["num_attention_heads"]
         return cls(
             hidden_size=hf["hidden_size"],
@@ -86,19 +110,22 @@ class DFlashConfig:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             vocab_size=hf["vocab_size"],
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(hf.get("rope_theta", rope.get("rope_theta", 10000.0))),
+            rope_theta=theta,
             block_size=int(hf.get("block_size", dflash.get("block_size", 0))),
             num_target_layers=int(hf["num_target_layers"]),
             target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
             mask_token_id=int(dflash["mask_token_id"]),
             draft_vocab_size=int(dflash.get("draft_vocab_size", 0)),
+            rope_scaling=scaling,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
         )
 
     def to_hf(self) -> dict:
+        """ddtree's layout: the fields this drafter reads, plus the draft vocabulary's size."""
         dflash = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id}
         if self.draft_vocab_size:
             dflash["draft_vocab_size"] = self.draft_vocab_size
-        return {
+        config = {
             "architectures": ["DFlashDraftModel"],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
@@ -117,6 +144,97 @@ class DFlashConfig:
             "num_target_layers": self.num_target_layers,
             "dflash_config": dflash,
         }
+        if self.rope_scaling:
+            config["rope_scaling"] = self.rope_scaling
+        return config
+
+    def to_published_hf(self, dtype: torch.dtype, bos_token_id: int | None = None,
+                        eos_token_id: int | None = None) -> dict:
+        """The published layout (z-lab's Qwen3 DFlash drafters, transformers 4.57): exactly the
+        keys of PUBLISHED_CONFIG_KEYS, `auto_map` naming the reference's remote code, and no
+        draft vocabulary (the published drafters have none; see DFlashDrafter.save)."""
+        if self.draft_vocab_size:
+            raise ValueError("the published layout has no draft vocabulary")
+        config = {
+            "architectures": ["DFlashDraftModel"],
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "block_size": self.block_size,
+            "bos_token_id": bos_token_id,
+            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dtype": str(dtype).removeprefix("torch."),
+            "eos_token_id": eos_token_id,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "initializer_range": 0.02,
+            "intermediate_size": self.intermediate_size,
+            "layer_types": ["full_attention"] * self.num_hidden_layers,
+            "max_position_embeddings": self.max_position_embeddings,
+            "max_window_layers": self.num_hidden_layers,
+            "model_type": "qwen3",
+            "num_attention_heads": self.num_attention_heads,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_key_value_heads": self.num_key_value_heads,
+            "num_target_layers": self.num_target_layers,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_scaling": self.rope_scaling,
+            "rope_theta": self.rope_theta,
+            "sliding_window": None,
+            "tie_word_embeddings": False,
+            "transformers_version": _transformers_version(),
+            "use_cache": True,
+            "use_sliding_window": False,
+            "vocab_size": self.vocab_size,
+        }
+        assert set(config) == set(PUBLISHED_CONFIG_KEYS)
+        return config
+
+
+SAVE_LAYOUTS = ("ddtree", "published")
+
+# The keys of z-lab/Qwen3-8B-DFlash-b16's config.json (and its Qwen3 siblings'), in their order.
+PUBLISHED_CONFIG_KEYS = (
+    "architectures", "attention_bias", "attention_dropout", "auto_map", "block_size", "bos_token_id",
+    "dflash_config", "dtype", "eos_token_id", "head_dim", "hidden_act", "hidden_size", "initializer_range",
+    "intermediate_size", "layer_types", "max_position_embeddings", "max_window_layers", "model_type",
+    "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "num_target_layers", "rms_norm_eps",
+    "rope_scaling", "rope_theta", "sliding_window", "tie_word_embeddings", "transformers_version", "use_cache",
+    "use_sliding_window", "vocab_size",
+)
+
+# dflash_config entries of newer checkpoints that change the forward; refused unless neutral.
+UNSUPPORTED_DFLASH_KEYS = (
+    "input_embedding_scale", "output_multiplier", "final_logit_softcapping", "attention_sink_bias",
+    "attention_value_scale", "projector_type", "use_swa",
+)
+
+
+def _transformers_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return None
+
+
+def check_target_layer_ids(ids, num_target_layers: int) -> None:
+    """The one rule for which target layers a drafter checkpoint may read (the loader and
+    training both ask it). A feature is the output of decoder layer i, before the final norm:
+    Hugging Face's hidden_states[i + 1], the convention of the reference and of other stacks.
+    That holds for every layer but the last, whose hidden_states[L] transformers returns after
+    the final norm, so a checkpoint naming it would mean different inputs in different stacks."""
+    ids = tuple(ids)
+    if not ids or min(ids) < 0 or max(ids) >= num_target_layers:
+        raise ValueError(f"target_layer_ids {list(ids)} must lie in [0, {num_target_layers}) (the target's layers)")
+    if max(ids) == num_target_layers - 1:
+        raise ValueError(
+            f"target layer {num_target_layers - 1} is the target's last: transformers returns its output after "
+            f"the final norm, not the layer's own, so its features differ between stacks; choose layers below "
+            f"{num_target_layers - 1}"
+        )
 
 
 @dataclass
@@ -217,7 +335,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, None)
+        self.rope = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         if config.draft_vocab_size:  # filled by load() or set_draft_vocab()
             self.register_buffer("draft_vocab", torch.zeros(config.draft_vocab_size, dtype=torch.int64))
         else:
@@ -256,7 +374,7 @@ class DFlashDrafter(nn.Module):
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)  # see TargetModel._apply
-        self.inv_freq = self.inv_freq.to(self.fc.weight.device)
+        self.rope = self.rope.to(self.fc.weight.device)
         self._head = None
         return out
 
@@ -287,9 +405,9 @@ class DFlashDrafter(nn.Module):
         x = target.model.embed_tokens(block).to(self.dtype)
         ctx = self.hidden_norm(self.fc(features.to(self.dtype)))
         steps = torch.arange(s, device=bonus.device)
-        block_rope = rope_cos_sin(start[:, None] + steps, self.inv_freq, self.dtype)
+        block_rope = rope_cos_sin(start[:, None] + steps, self.rope, self.dtype)
         ctx_pos = cache.lengths[:, None] + torch.arange(n, device=bonus.device)
-        ctx_rope = rope_cos_sin(ctx_pos, self.inv_freq, self.dtype)
+        ctx_rope = rope_cos_sin(ctx_pos, self.rope, self.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, block_rope, ctx, ctx_rope, i, cache)
         cache.lengths += n
@@ -308,8 +426,8 @@ class DFlashDrafter(nn.Module):
         block[:, 0] = tokens[anchors]
         x = target.model.embed_tokens(block).to(self.dtype)
         ctx = self.hidden_norm(self.fc(features[None].to(self.dtype)))
-        block_rope = rope_cos_sin(anchors[:, None] + steps, self.inv_freq, self.dtype)
-        ctx_rope = rope_cos_sin(torch.arange(t, device=tokens.device)[None], self.inv_freq, self.dtype)
+        block_rope = rope_cos_sin(anchors[:, None] + steps, self.rope, self.dtype)
+        ctx_rope = rope_cos_sin(torch.arange(t, device=tokens.device)[None], self.rope, self.dtype)
         visible = torch.arange(t, device=tokens.device)[None, :] < anchors[:, None]
         for layer in self.layers:
             x = layer.forward_blocks(x, block_rope, ctx, ctx_rope, visible)
@@ -340,20 +458,43 @@ class DFlashDrafter(nn.Module):
 
     # --- checkpoints ----------------------------------------------------------------------
 
-    def save(self, directory: str | Path) -> None:
+    def save(self, directory: str | Path, layout: str = "ddtree", bos_token_id: int | None = None,
+             eos_token_id: int | None = None) -> None:
+        """Writes config.json + model.safetensors in one of SAVE_LAYOUTS:
+
+        - "ddtree" (default): DFlashConfig.to_hf, and the draft vocabulary when there is one
+          (`dflash_config.draft_vocab_size` + a `draft_vocab` tensor), which ddtree loads back;
+        - "published": exactly what z-lab publishes (DFlashConfig.to_published_hf: its keys,
+          `auto_map`; only the drafter's own tensors), loadable by the reference and other
+          stacks. A drafter with a draft vocabulary is refused rather than widened: widening
+          would let tokens it was never trained to rank compete in its head."""
+        if layout not in SAVE_LAYOUTS:
+            raise ValueError(f"layout {layout!r}: expected one of {', '.join(SAVE_LAYOUTS)}")
+        if layout == "published" and self.draft_vocab is not None:
+            raise ValueError(
+                f"this drafter has a draft vocabulary ({self.config.draft_vocab_size} of {self.config.vocab_size} "
+                "tokens), which the published layout cannot carry; save it with layout 'ddtree', or train with "
+                "the whole vocabulary (--vocab-floor -1) to export the published layout"
+            )
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        (directory / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2))
+        config = (
+            self.config.to_published_hf(self.dtype, bos_token_id, eos_token_id)
+            if layout == "published"
+            else self.config.to_hf()
+        )
+        (directory / "config.json").write_text(json.dumps(config, indent=2))
         state = {k: t.detach().contiguous() for k, t in self.state_dict().items()}
         save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
     @classmethod
     def load(cls, directory: str | Path, target: TargetModel) -> "DFlashDrafter":
+        """A drafter checkpoint in either layout, its weights in one file or sharded
+        (model-0000i-of-0000n.safetensors + model.safetensors.index.json)."""
         directory = Path(directory)
         config = DFlashConfig.from_hf(json.loads((directory / "config.json").read_text()))
-        state = {}
-        for f in sorted(directory.glob("*.safetensors")):
-            state.update(load_file(str(f)))
+        check_target_layer_ids(config.target_layer_ids, target.config.num_hidden_layers)
+        state = read_safetensors_dir(directory)
         drafter = cls(config, target).to(target.dtype)
         drafter.load_state_dict({k: t.to(target.dtype) if t.is_floating_point() else t for k, t in state.items()}, strict=True)
         return drafter.eval()

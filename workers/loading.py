@@ -84,21 +84,37 @@ def gguf_to_hf_dir(gguf: Path) -> Path:
     return target
 
 
-def read_safetensors_dir(directory: Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, or only those in `names` (read without the others)."""
+def safetensors_files(directory: Path) -> list[Path]:
+    """The weight files of a checkpoint: those its model.safetensors.index.json names (sharded,
+    model-0000i-of-0000n.safetensors), else every *.safetensors in it."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     else:
-        files = sorted(p.name for p in directory.glob("*.safetensors"))
-    if not files:
+        names = sorted(p.name for p in directory.glob("*.safetensors"))
+    if not names:
         raise FileNotFoundError(f"no *.safetensors in {directory}")
+    return [directory / name for name in names]
+
+
+def weights_identity(directory: Path) -> str:
+    """Names the weights' current version: each weight file's name, size and modification time
+    (sharded or not). A retrained or replaced checkpoint gets a new identity."""
+    parts = []
+    for path in safetensors_files(Path(directory)):
+        stat = path.stat()
+        parts.append(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}")
+    return f"{directory}:" + ",".join(parts)
+
+
+def read_safetensors_dir(directory: Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, or only those in `names` (read without the others)."""
     state: dict[str, torch.Tensor] = {}
-    for name in files:
+    for path in safetensors_files(directory):
         if names is None:
-            state.update(load_file(str(directory / name)))
+            state.update(load_file(str(path)))
             continue
-        with safe_open(str(directory / name), framework="pt") as f:
+        with safe_open(str(path), framework="pt") as f:
             state.update({key: f.get_tensor(key) for key in f.keys() if key in names})
     return state
 
