@@ -173,7 +173,8 @@ def _train_drafter(args: argparse.Namespace) -> int:
     if "export" in stages:
         files = ", ".join(Path(p).name for p in args.prompts or [])
         out = stage_export(target, workdir, cfg, layers, Path(args.out or workdir / "export"),
-                           data_note=f"prompts from {files or 'no files'} and {args.self_prompts} target-written prompts")
+                           data_note=f"prompts from {files or 'no files'} and {args.self_prompts} target-written prompts",
+                           layout=args.export_layout)
         print(f"drafter written to {out}")
     return 0
 
@@ -332,6 +333,9 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--minutes", type=float, help="stop training after this long (checkpointed; rerun to resume)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--out", help="export directory (default: WORKDIR/export)")
+    train.add_argument("--export-layout", default="ddtree", choices=["ddtree", "published"],
+                       help="ddtree's layout (keeps a draft vocabulary), or exactly z-lab's published one "
+                       "(auto_map, no extra tensors; needs --vocab-floor -1)")
     train.set_defaults(func=_train_drafter)
 
     ev = sub.add_parser("eval-drafter", help="held-out tau per budget and per-position accuracy")
