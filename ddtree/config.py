@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -46,6 +46,13 @@ class ModelPairConfig(BaseModel):
     static_shapes: bool = Field(True, description="Pad every verify pass to budget + 1 rows.")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the models run: 'auto' = CUDA when a GPU is visible, else CPU."
+    )
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra variables for the chat template, as vLLM's `chat_template_kwargs` "
+        "(e.g. {\"enable_thinking\": true}); a request's own are merged over these. None = the pair's "
+        "default (ddtree.engine.CHAT_TEMPLATE_DEFAULTS): {\"enable_thinking\": false} for a qwen3 target, "
+        "whose published DFlash drafters were trained without thinking; {} (the template's own "
+        "defaults) for other targets."
     )
     tp: int = Field(
         1, ge=1, description="Tensor-parallel shards of the target. 1 = the in-process engine; N > 1 = "

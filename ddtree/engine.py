@@ -13,11 +13,24 @@ import torch
 from .config import GenerateConfig, ModelPairConfig, SamplingParams
 from .workers.coordinator import Budget, Coordinator, Request, Result
 from .workers.drafter import DFlashDrafter
-from .workers.loading import LoadedTarget, load_target, load_tokenizer, target_directory
+from .workers.loading import LoadedTarget, load_target, load_tokenizer, target_directory, weights_identity
 from .workers.model import ModelConfig
 
 
 SHIPPED_DRAFTER = Path(__file__).parent / "drafters" / "smollm2-135m-instruct"
+
+# The chat template's variables by target family when the config names none. Qwen3's template
+# opens a <think> block unless enable_thinking is false; z-lab's DFlash drafters for Qwen3 were
+# trained on non-thinking answers (and their benchmark turns thinking off), so thinking output
+# would cost most of their acceptance. The rule is the target's family, not the drafter, so a
+# prompt renders the same with any drafter and at any budget.
+CHAT_TEMPLATE_DEFAULTS = {"qwen3": {"enable_thinking": False}}
+# apply_chat_template's own arguments: not template variables.
+RESERVED_TEMPLATE_ARGS = frozenset({
+    "conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
 
 
 def shipped_drafter() -> Path | None:
@@ -68,8 +81,7 @@ class Engine:
             from .calibrate import calibrated_budget
 
             if drafter_path:
-                weights = Path(drafter_path) / "model.safetensors"
-                drafter_id = f"{drafter_path}:{weights.stat().st_size}:{weights.stat().st_mtime_ns}"
+                drafter_id = weights_identity(Path(drafter_path))  # one file or shards
             else:
                 drafter_id = f"untrained-block{config.block_size}"
             engine.coordinator.budget = calibrated_budget(engine, drafter_id)
@@ -93,10 +105,25 @@ class Engine:
     def decode(self, ids: list[int]) -> str:
         return self.target.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def render_chat(self, messages: list[dict]) -> list[int]:
-        """Messages rendered with the model's own chat template, ready for the assistant's turn."""
+    @cached_property
+    def chat_template_kwargs(self) -> dict:
+        """The chat template's extra variables for this pair: the config's, else the default
+        for the target's family (CHAT_TEMPLATE_DEFAULTS)."""
+        if self.config.chat_template_kwargs is not None:
+            return dict(self.config.chat_template_kwargs)
+        family = json.loads((self.target.directory / "config.json").read_text()).get("model_type")
+        return dict(CHAT_TEMPLATE_DEFAULTS.get(family, {}))
+
+    def render_chat(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
+        """Messages rendered with the model's own chat template, ready for the assistant's turn;
+        `chat_template_kwargs` (a request's) are merged over the pair's. ValueError names a key
+        that is apply_chat_template's own argument rather than a template variable."""
+        kwargs = {**self.chat_template_kwargs, **(chat_template_kwargs or {})}
+        reserved = sorted(RESERVED_TEMPLATE_ARGS & set(kwargs))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
         tok = self.target.tokenizer
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         return tok.encode(text, add_special_tokens=False)
 
     def encode(self, text: str) -> list[int]:

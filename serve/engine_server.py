@@ -87,7 +87,10 @@ class EngineServer:
         """body: {"kind": "chat" | "completion", "messages" | "prompt", "max_tokens",
         "temperature", "top_p", "top_k", "min_p", "seed", "stop", "budget"} -> a Request."""
         if body["kind"] == "chat":
-            prompt = self.engine.render_chat(body["messages"])
+            try:
+                prompt = self.engine.render_chat(body["messages"], body.get("chat_template_kwargs"))
+            except ValueError as err:
+                raise RequestError(str(err), "chat_template_kwargs") from None
             where = "messages"
         else:
             prompt = self.engine.encode(body["prompt"])

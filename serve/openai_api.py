@@ -101,11 +101,16 @@ class _Sampling(BaseModel):
 class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Extra chat-template variables for this request (as vLLM accepts them), merged "
+        "over the server's, e.g. {\"enable_thinking\": true}."
+    )
 
     def engine_body(self) -> dict:
         body = super().engine_body()
         body["max_tokens"] = self.max_completion_tokens or self.max_tokens
-        return {**body, "kind": "chat", "messages": [m.as_template_dict() for m in self.messages]}
+        return {**body, "kind": "chat", "messages": [m.as_template_dict() for m in self.messages],
+                "chat_template_kwargs": self.chat_template_kwargs}
 
 
 class CompletionRequest(_Sampling):
