@@ -1,6 +1,8 @@
 """`make gpu-check`: everything that needs a CUDA GPU, in one run (a few minutes on an H200).
 
-1. the kernel parity tests (tests/test_kernels.py) compiled on CUDA;
+1. the kernel parity tests (tests/test_kernels.py) compiled on CUDA, and the published-checkpoint
+   fixture (tests/test_published_checkpoints.py: a Qwen3 target with a drafter in z-lab's layout)
+   through the engine's device path;
 2. each kernel timed against its torch reference, and tree attention against PyTorch SDPA with
    a dense mask;
 3. a CUDA-graph captured verify (fixed q_len; tokens, positions and mask bits copied into the
@@ -48,10 +50,10 @@ def section(title: str) -> None:
 
 
 def parity_tests() -> int:
-    section("1. kernel parity, compiled on CUDA")
+    section("1. kernel parity and the published-checkpoint fixture, compiled on CUDA")
     env = {**os.environ, "DDTREE_KERNEL_DEVICE": "cuda", "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py"],
-                          cwd=ROOT, env=env)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
+                           "tests/test_published_checkpoints.py"], cwd=ROOT, env=env)
     return proc.returncode
 
 
