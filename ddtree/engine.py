@@ -33,6 +33,13 @@ RESERVED_TEMPLATE_ARGS = frozenset({
 })
 
 
+def default_chat_template_kwargs(directory: Path) -> dict:
+    """CHAT_TEMPLATE_DEFAULTS for the target in `directory` (by its config.json's model_type);
+    training renders its prompts with the same, so a drafter learns what it will be served."""
+    family = json.loads((Path(directory) / "config.json").read_text()).get("model_type")
+    return dict(CHAT_TEMPLATE_DEFAULTS.get(family, {}))
+
+
 def shipped_drafter() -> Path | None:
     """The trained drafter this package ships for the default target, if any."""
     return SHIPPED_DRAFTER if (SHIPPED_DRAFTER / "model.safetensors").is_file() else None
@@ -111,8 +118,7 @@ class Engine:
         for the target's family (CHAT_TEMPLATE_DEFAULTS)."""
         if self.config.chat_template_kwargs is not None:
             return dict(self.config.chat_template_kwargs)
-        family = json.loads((self.target.directory / "config.json").read_text()).get("model_type")
-        return dict(CHAT_TEMPLATE_DEFAULTS.get(family, {}))
+        return default_chat_template_kwargs(self.target.directory)
 
     def render_chat(self, messages: list[dict], chat_template_kwargs: dict | None = None) -> list[int]:
         """Messages rendered with the model's own chat template, ready for the assistant's turn;
