@@ -31,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from .bench import read_prompts
+from .engine import default_chat_template_kwargs
 from .kernels.tree import Candidates, greedy_walk, grow_tree
 from .workers.drafter import DFlashConfig, DFlashDrafter, check_target_layer_ids
 from .workers.loading import LoadedTarget
@@ -100,10 +101,12 @@ def self_prompts(target: LoadedTarget, count: int, seed: int, batch: int = 16, m
 
 
 @torch.inference_mode()
-def generate_shard(hf, tok, messages: list[str], layer_ids, max_tokens: int) -> dict:
+def generate_shard(hf, tok, messages: list[str], layer_ids, max_tokens: int, chat_kwargs: dict | None = None) -> dict:
     """Greedy responses to `messages` in one batch, with the target's features captured during
-    generation (the hidden states transformers returns at each step). Returns flat tensors."""
-    rendered = [tok.apply_chat_template([{"role": "user", "content": m}], tokenize=False, add_generation_prompt=True)
+    generation (the hidden states transformers returns at each step). Returns flat tensors.
+    `chat_kwargs`: the chat template's variables (the engine's default for the target)."""
+    rendered = [tok.apply_chat_template([{"role": "user", "content": m}], tokenize=False, add_generation_prompt=True,
+                                        **(chat_kwargs or {}))
                 for m in messages]
     enc = tok(rendered, return_tensors="pt", padding=True, add_special_tokens=False)
     out = hf.generate(**enc, max_new_tokens=max_tokens, do_sample=False, output_hidden_states=True,
@@ -172,7 +175,7 @@ def stage_data(target: LoadedTarget, workdir: Path, prompt_files: list[str], lim
             if path.is_file():  # resumable: finished shards stay
                 bar.update(1)
                 continue
-            shard = generate_shard(hf, tok, chunk, layer_ids, max_tokens)
+            shard = generate_shard(hf, tok, chunk, layer_ids, max_tokens, default_chat_template_kwargs(target.directory))
             tmp = path.with_suffix(".tmp")
             save_file(shard, str(tmp))
             tmp.replace(path)
@@ -408,8 +411,9 @@ def reference_continuations(target: LoadedTarget, prompts: list[str], max_tokens
     from .workers.coordinator import Coordinator, Request
 
     tok = target.tokenizer
+    chat = default_chat_template_kwargs(target.directory)
     requests = [
-        Request(tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True),
+        Request(tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True, **chat),
                            add_special_tokens=False), max_tokens, eos_token_ids=(tok.eos_token_id,), sampling=SamplingParams())
         for p in prompts
     ]

@@ -350,6 +350,19 @@ def test_a_qwen3_target_renders_without_thinking_by_default(pair, tmp_path):
     assert other.chat_template_kwargs == {} and other.render_chat(CHAT) == hf_render()
 
 
+def test_training_renders_prompts_as_the_engine_serves_them(pair):
+    """A drafter trained by ddtree for a Qwen3 target learns from non-thinking prompts, the
+    ones the engine will serve it (the same default, default_chat_template_kwargs)."""
+    from ddtree.training import reference_continuations
+    from ddtree.workers.loading import load_target
+
+    _, target_dir, _, _ = pair
+    target = load_target(target_dir, torch.float64)
+    requests, _ = reference_continuations(target, [CHAT[0]["content"]], 2)
+    text = target.tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert requests[0].prompt == target.tokenizer.encode(text, add_special_tokens=False)
+
+
 def test_a_request_passes_chat_template_kwargs_as_vllm_does():
     """The OpenAI body's `chat_template_kwargs` reaches the engine's rendering."""
     from ddtree.serve.openai_api import ChatCompletionRequest
