@@ -395,7 +395,8 @@ def test_rope_types_that_depend_on_length_are_refused(rope):
 def test_sliding_window_layers_are_refused(pair, tmp_path):
     """Bug: `layer_types` with sliding-window layers was accepted and run as full attention.
     Now the target and the drafter refuse them; all-"full_attention" layer_types load (the
-    fixture's target, saved by transformers 5, and the published drafter both carry them)."""
+    fixture's target, saved by transformers 5, and the published drafter both carry them).
+    Newer drafters' other departures (causal blocks, DFlash2, attention sinks) are refused too."""
     _, target_dir, _, _ = pair
     hf_config = json.loads((target_dir / "config.json").read_text())
     assert set(hf_config["layer_types"]) == {"full_attention"}
@@ -412,6 +413,8 @@ def test_sliding_window_layers_are_refused(pair, tmp_path):
         ({"layer_types": ["sliding_attention"] * DRAFT_LAYERS, "sliding_window": 2048, "use_sliding_window": True}, "sliding_attention"),
         ({"is_causal": True}, "is_causal"),
         ({"architectures": ["DFlash2DraftModel"]}, "DFlash2DraftModel"),
+        ({"dflash_config": {"mask_token_id": MASK, "target_layer_ids": LAYER_IDS, "attention_sink_bias": True}},
+         "attention_sink_bias"),
     ]:
         directory = tmp_path / match
         write_published_drafter(directory, **overrides)

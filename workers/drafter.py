@@ -16,7 +16,7 @@ config.json with qwen3 fields plus `block_size`, `num_target_layers`,
 Refused with an error, never run approximately: a target_layer_ids entry that is the target's
 last layer (check_target_layer_ids), sliding-window or causal drafter layers, rope types other
 than default / linear / llama3 / yarn, DFlash2 and other architectures, and the dflash_config
-scalings of UNSUPPORTED_DFLASH_KEYS.
+scalings of NEUTRAL_DFLASH_VALUES other than their neutral values.
 
 One optional addition of ours: a *draft vocabulary*. `dflash_config.draft_vocab_size` = V_d and
 an int64 tensor `draft_vocab` [V_d] (sorted token ids) in the weights: the drafter's head is
@@ -94,7 +94,7 @@ class DFlashConfig:
         require_full_attention(hf, "drafter")
         if hf.get("is_causal"):
             raise ValueError("drafter config: is_causal true is not supported; DFlash blocks attend bidirectionally")
-        changed = {k: dflash[k] for k in UNSUPPORTED_DFLASH_KEYS if dflash.get(k) not in (None, False, 1, 1.0)}
+        changed = {k: dflash[k] for k, same in NEUTRAL_DFLASH_VALUES.items() if k in dflash and not _neutral(dflash[k], same)}
         if changed:
             raise ValueError(f"drafter config: dflash_config {changed} is not supported (it changes the forward)")
         if hf.get("attention_bias"):
@@ -204,11 +204,22 @@ PUBLISHED_CONFIG_KEYS = (
     "use_sliding_window", "vocab_size",
 )
 
-# dflash_config entries of newer checkpoints that change the forward; refused unless neutral.
-UNSUPPORTED_DFLASH_KEYS = (
-    "input_embedding_scale", "output_multiplier", "final_logit_softcapping", "attention_sink_bias",
-    "attention_value_scale", "projector_type", "use_swa",
-)
+# dflash_config entries of newer checkpoints that change the forward, with the values that leave
+# it as it is here; any other value is refused.
+NEUTRAL_DFLASH_VALUES = {
+    "input_embedding_scale": (1, None),
+    "output_multiplier": (1, None),
+    "final_logit_softcapping": (0, None),
+    "attention_value_scale": (1, None),
+    "attention_sink_bias": (False, None),
+    "use_swa": (False, None),
+    "projector_type": ("dflash", None),
+}
+
+
+def _neutral(value, neutral: tuple) -> bool:
+    """value is one of `neutral`; booleans only match booleans (True == 1 in Python)."""
+    return any(value is n if isinstance(value, bool) or isinstance(n, bool) else value == n for n in neutral)
 
 
 def _transformers_version() -> str | None:
