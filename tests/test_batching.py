@@ -1,0 +1,192 @@
+"""Continuous batching is invisible in the tokens: every request of a batch gets its solo run's.
+
+The seeds' failure lives here: a DDTree port garbled temperature-0 output once a *batch* of
+trees ran padded to a common row count with fewer real nodes. These batches mix budgets, tree
+sizes (a 2-token vocabulary makes trees run dry), temperatures, prompt lengths (1 to several
+prefill chunks), arrivals and departures mid-flight, and a pool small enough to force
+preemptions. Tiny float64 targets, so equality is exact; the solo reference is the
+per-request Coordinator, and greedy requests are also checked against transformers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddtree.config import SamplingParams
+from ddtree.workers.coordinator import Coordinator, Request
+from ddtree.workers.drafter import DFlashDrafter
+from ddtree.workers.kv_pool import KVPool
+from ddtree.workers.model import KVCache
+from ddtree.workers.scheduler import BatchLimits, QueueFull, Scheduler, bucket, grant
+
+from .conftest import hf_greedy
+from .drafters import OracleDrafter
+
+BUDGETS = [0, "chain", 1, 8, 16, 64]
+MAX_TOKENS = 24
+
+
+def mixed_requests(vocab: int, count: int, seed: int, max_prompt: int = 40) -> list[Request]:
+    """Requests cycling through BUDGETS; every third one seeded sampling at T = 0.8."""
+    g = torch.Generator().manual_seed(seed)
+    requests = []
+    for i in range(count):
+        n = 1 if i == 0 else int(torch.randint(1, max_prompt, (1,), generator=g))
+        prompt = torch.randint(0, vocab, (n,), generator=g).tolist()
+        sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=100 + i) if i % 3 == 2 else SamplingParams()
+        requests.append(Request(prompt, MAX_TOKENS, sampling=sampling, budget=BUDGETS[i % len(BUDGETS)]))
+    return requests
+
+
+def run_schedule(scheduler: Scheduler, requests: list[Request], arrivals: list[int]) -> dict[int, list[int]]:
+    """Adds request i at step arrivals[i] and steps until all finish: {request index: tokens}."""
+    ids, out, step = {}, {}, 0
+    while len(out) < len(requests):
+        for i, at in enumerate(arrivals):
+            if at == step:
+                ids[scheduler.add(requests[i])] = i
+        for seq_id, update in scheduler.step():
+            if update.result is not None:
+                out[ids[seq_id]] = update.result.tokens
+        step += 1
+        assert step < 10_000
+    return out
+
+
+@pytest.mark.parametrize("family,vocab", [("llama", 97), ("qwen3", 97), ("llama", 2)], ids=["llama", "qwen3", "vocab2-dry"])
+def test_every_request_of_a_mixed_batch_gets_its_solo_tokens(tiny_checkpoint, family, vocab):
+    hf, target, _ = tiny_checkpoint(family, vocab)
+    drafter = DFlashDrafter.untrained(target, block_size=4 if vocab == 2 else 8, seed=7)
+    requests = mixed_requests(vocab, 12, seed=vocab)
+    solo = [Coordinator(target, drafter).generate([r])[0].tokens for r in requests]
+    for r, tokens in zip(requests, solo):
+        if r.sampling.temperature == 0:
+            assert tokens == hf_greedy(hf, r.prompt, MAX_TOKENS)
+
+    # 5 running at once, prompts cut into chunks of 8, a pool of 160 tokens: preemptions happen
+    limits = BatchLimits(max_num_seqs=5, max_prefill_tokens=8, max_step_tokens=160, kv_cache_tokens=160, kv_page_tokens=4)
+    arrivals = [0, 0, 0, 1, 2, 2, 5, 9, 9, 14, 20, 31]  # joining while others run and leave
+    runs = []
+    for _ in range(2):
+        scheduler = Scheduler(target, drafter, 0, limits)
+        runs.append(run_schedule(scheduler, requests, arrivals))
+        assert scheduler.preemptions > 0, "the small pool forced a preemption"
+        assert scheduler.pool.free_pages == scheduler.pool.num_pages, "every page came back"
+    for i, tokens in enumerate(solo):
+        assert runs[0][i] == tokens, f"request {i} (budget {requests[i].budget}) differs from its solo run"
+    assert runs[1] == runs[0], "the same arrival schedule gives the same tokens"
+
+
+def test_trees_of_every_size_padded_to_one_bucket(tiny_checkpoint):
+    """One step verifies a budget-64 tree beside plain and chain rows: every row is padded to 65,
+    and a perfect drafter's request still accepts whole blocks beside them."""
+    hf, target, _ = tiny_checkpoint("llama", 97)
+    prompt = [5, 6, 7]
+    reference = hf_greedy(hf, prompt, MAX_TOKENS + 16)
+    drafter = OracleDrafter(prompt + reference, 97, 8, accuracy=1.0)
+    requests = [Request(prompt, MAX_TOKENS, budget=b) for b in (64, 0, "chain", 3)]
+    scheduler = Scheduler(target, drafter, 0, BatchLimits(max_step_tokens=4 * 65))
+    results = scheduler.generate(requests)
+    for request, result in zip(requests, results):
+        assert result.tokens == reference[:MAX_TOKENS], request.budget
+    assert [r.accepted for r in results[0].rounds][:2] == [7, 7]
+    assert all(r.tree_size == 1 for r in results[1].rounds)
+
+
+def test_grant_cuts_trees_to_the_step_cap():
+    assert grant([64, 8, 0], BatchLimits(max_step_tokens=64)) == ([16, 8, 0], 17)
+    assert grant([64] * 16, BatchLimits(max_step_tokens=1040)) == ([64] * 16, 65)
+    assert grant([64] * 16, BatchLimits(max_step_tokens=100)) == ([4] * 16, 5)
+    assert [bucket(n) for n in (1, 2, 4, 9, 10, 65)] == [1, 2, 5, 9, 17, 65]
+
+
+def test_granted_budget_is_what_the_rounds_ran_at(tiny_checkpoint):
+    """A request asking for budget 64 in a step capped at 3 x 9 rows runs trees of <= 8 nodes and
+    says so, with the target's tokens all the same."""
+    hf, target, _ = tiny_checkpoint("llama", 97)
+    drafter = DFlashDrafter.untrained(target, block_size=8, seed=7)
+    requests = [Request([1, 2, 3], 12, budget=64), Request([4], 12), Request([9, 9], 12, budget="chain")]
+    results = Scheduler(target, drafter, 0, BatchLimits(max_num_seqs=3, max_step_tokens=27)).generate(requests)
+    assert results[0].tokens == hf_greedy(hf, [1, 2, 3], 12)
+    assert all(r.budget <= 8 and r.tree_size <= 9 for r in results[0].rounds)
+
+
+def test_paged_attention_equals_the_dense_cache(tiny_checkpoint):
+    """The same blocks through the paged pool (scattered pages) and a dense cache give the same
+    logits: rows of different lengths, a tree mask, pages handed out out of order."""
+    _, target, _ = tiny_checkpoint("llama", 97)
+    torch.manual_seed(0)
+    pool = KVPool(target.config, tokens=64, page=4, dtype=torch.float64)
+    pool._free.reverse()  # hand out high page ids first: tables are not contiguous
+    dense = KVCache.allocate(target.config, 2, 40, torch.float64)
+    tables = [[], []]
+    prompts = [torch.randint(0, 97, (1, 11)), torch.randint(0, 97, (1, 5))]
+    for row, prompt in enumerate(prompts):
+        n = prompt.shape[1]
+        pool.grow(tables[row], n)
+        positions = torch.arange(n)[None]
+        paged = target(prompt, positions, target.prefill_mask(n), pool.batch([tables[row]], [0]))
+        one = KVCache.allocate(target.config, 1, 40, torch.float64)
+        ref = target(prompt, positions, target.prefill_mask(n), one)
+        assert torch.equal(paged.logits, ref.logits)
+        dense.k[:, row, :, :n], dense.v[:, row, :, :n] = one.k[:, 0, :, :n], one.v[:, 0, :, :n]
+        dense.lengths[row] = n
+    block = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 1]], dtype=torch.bool)[None].expand(2, 4, 4)
+    tokens = torch.randint(0, 97, (2, 4))
+    positions = dense.lengths[:, None] + torch.tensor([0, 1, 1, 0])
+    for row, prompt in enumerate(prompts):
+        pool.grow(tables[row], prompt.shape[1] + 4)
+    paged = target(tokens, positions, block, pool.batch(tables, [11, 5]))
+    ref = target(tokens, positions, block.contiguous(), dense)
+    torch.testing.assert_close(paged.logits, ref.logits, rtol=1e-12, atol=1e-12)
+
+
+def test_a_pool_serves_more_requests_than_reservation_would(tiny_checkpoint):
+    """Outputs that end early (EOS) hold only the pages they used: a pool of 96 tokens runs 8
+    requests of prompt 4 + max_tokens 40 at once (reserving 44 each would allow 2), and never
+    hands out more pages than it has."""
+    hf, target, _ = tiny_checkpoint("llama", 97)
+    prompts = [[i, i + 1, i + 2, i + 3] for i in range(8)]
+    firsts = [hf_greedy(hf, p, 3) for p in prompts]
+    requests = [Request(p, 40, eos_token_ids=(f[2],)) for p, f in zip(prompts, firsts)]
+    scheduler = Scheduler(target, None, 0, BatchLimits(max_num_seqs=8, kv_cache_tokens=96, kv_page_tokens=4))
+    ids = [scheduler.add(r) for r in requests]
+    done, first_step, step = {}, {}, 0
+    while len(done) < len(ids):
+        for seq_id, update in scheduler.step():
+            first_step.setdefault(seq_id, step)
+            if update.result is not None:
+                done[seq_id] = (update.result, step)
+        held = [p for s in scheduler.running for p in s.pages]
+        assert len(held) == len(set(held)) <= scheduler.pool.num_pages, "no page is shared or invented"
+        assert len(held) + scheduler.pool.free_pages == scheduler.pool.num_pages
+        step += 1
+    together = max(sum(first_step[i] <= t <= done[i][1] for i in ids) for t in range(step))
+    assert together == 8 > 96 // 44
+    for seq_id, first in zip(ids, firsts):
+        cut = first.index(first[2]) + 1
+        assert done[seq_id][0].tokens == first[:cut]
+
+
+def test_cancel_frees_the_sequence_at_the_next_step(tiny_checkpoint):
+    _, target, _ = tiny_checkpoint("llama", 97)
+    scheduler = Scheduler(target, None, 0, BatchLimits(kv_cache_tokens=256, kv_page_tokens=4))
+    gone, stays = scheduler.add(Request([1, 2, 3], 50)), scheduler.add(Request([4, 5], 5))
+    scheduler.step()
+    assert len(scheduler.running) == 2
+    scheduler.cancel(gone)
+    emitted = scheduler.step()
+    assert [s.id for s in scheduler.running] == [stays] and gone not in [i for i, _ in emitted]
+    assert scheduler.pool.free_pages == scheduler.pool.num_pages - len(scheduler.running[0].pages)
+
+
+def test_a_full_queue_refuses_and_a_prompt_larger_than_the_pool_is_an_error(tiny_checkpoint):
+    _, target, _ = tiny_checkpoint("llama", 97)
+    scheduler = Scheduler(target, None, 0, BatchLimits(max_waiting=2, kv_cache_tokens=64, kv_page_tokens=4))
+    scheduler.add(Request([1], 4))
+    scheduler.add(Request([2], 4))
+    with pytest.raises(QueueFull):
+        scheduler.add(Request([3], 4))
+    with pytest.raises(ValueError, match="KV pool"):
+        scheduler.add(Request(list(range(90)), 4))

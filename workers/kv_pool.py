@@ -1,0 +1,135 @@
+"""The target's KV memory as one pool of fixed-size pages shared by every running sequence.
+
+A sequence owns a list of pages (its block table); its token at position p lives in slot
+`pages[p // page] * page + p % page` of the pool. Pages are taken as a sequence grows and given
+back when it ends or is preempted, so memory follows what sequences really hold -- never
+`prompt + max_tokens` reserved up front. A verify pass's tree block is written at positions
+start ... start + Q - 1 (scratch: the walk then moves the accepted path to start ... and the
+rest is overwritten by later rounds before it is read).
+
+Layout: k, v [L, T, Hkv, D] with T = pages x page tokens, token-major, so that one index op
+writes a whole batch's block and one gathers a batch's prefixes.
+
+Worked example (page 4): a sequence with pages [5, 2] has positions 0-3 in slots 20-23 and
+positions 4-7 in slots 8-11; its position 6 is slot 2 * 4 + 2 = 10.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .model import ModelConfig, attend
+
+
+class PoolFull(RuntimeError):
+    """The pool has fewer free pages than asked for."""
+
+
+class KVPool:
+    def __init__(self, config: ModelConfig, tokens: int, page: int, dtype, device="cpu"):
+        if page < 1 or tokens < page:
+            raise ValueError(f"a KV pool of {tokens} tokens cannot hold one page of {page}")
+        self.page = page
+        self.num_pages = tokens // page
+        shape = (config.num_hidden_layers, self.num_pages * page, config.num_key_value_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out low ids first
+
+    @staticmethod
+    def bytes_per_token(config: ModelConfig, dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
+
+    @property
+    def tokens(self) -> int:
+        return self.num_pages * self.page
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    def pages_for(self, positions: int) -> int:
+        """Pages that hold positions [0, positions)."""
+        return -(-positions // self.page)
+
+    def grow(self, pages: list[int], positions: int) -> None:
+        """Extends the block table `pages` (in place) to hold positions [0, positions)."""
+        need = self.pages_for(positions) - len(pages)
+        if need > len(self._free):
+            raise PoolFull(f"{need} pages needed, {len(self._free)} free")
+        for _ in range(max(need, 0)):
+            pages.append(self._free.pop())
+
+    def shrink(self, pages: list[int], positions: int) -> None:
+        """Gives back the pages of `pages` beyond those holding positions [0, positions)."""
+        keep = self.pages_for(positions)
+        while len(pages) > keep:
+            self._free.append(pages.pop())
+
+    def release(self, pages: list[int]) -> None:
+        self.shrink(pages, 0)
+
+    def batch(self, tables: list[list[int]], lengths: list[int]) -> "PagedBatch":
+        """The rows of one forward: row b's committed prefix is positions [0, lengths[b])."""
+        return PagedBatch(self, tables, torch.tensor(lengths, dtype=torch.int64, device=self.k.device))
+
+    def slots(self, tables: list[list[int]], positions: torch.Tensor) -> torch.Tensor:
+        """positions [B, N] (each within its row's pages) -> pool slots [B, N]."""
+        width = max(len(t) for t in tables)
+        table = torch.zeros(len(tables), max(width, 1), dtype=torch.int64)
+        for row, pages in enumerate(tables):
+            table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
+        table = table.to(positions.device)
+        return table.gather(1, positions // self.page) * self.page + positions % self.page
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copies slots src [N] to dst [N] in every layer (gathered first, so overlaps are safe)."""
+        if src.numel():
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
+
+
+@dataclass
+class PagedBatch:
+    """A forward's rows in the pool (TargetModel.forward's `cache`)."""
+
+    pool: KVPool
+    tables: list[list[int]]  # per row: its pages, covering lengths[b] + Q positions
+    lengths: torch.Tensor  # [B] int64, committed positions per row; the block starts there
+
+    def bind(self, block_mask: torch.Tensor, q_len: int) -> "PagedView":
+        return PagedView(self, block_mask, q_len)
+
+
+class PagedView:
+    """A PagedBatch bound to one forward. Each row attends over its own prefix (gathered from
+    the pool, padded to the batch's longest with masked slots) followed by its block:
+    keys [B, Hkv, P + Q, D], mask [B, 1, Q, P + Q] = (prefix slot < lengths[b]) | block_mask."""
+
+    def __init__(self, batch: PagedBatch, block_mask: torch.Tensor, q_len: int):
+        pool, lengths = batch.pool, batch.lengths
+        dev = lengths.device
+        b, prefix = lengths.shape[0], int(lengths.max())
+        steps = torch.arange(q_len, device=dev)
+        self.pool = pool
+        self.write_slots = pool.slots(batch.tables, lengths[:, None] + steps).view(-1)  # [B * Q]
+        cols = torch.arange(prefix, device=dev)[None, :]
+        seen = cols < lengths[:, None]  # [B, P]
+        self.read_slots = pool.slots(batch.tables, torch.where(seen, cols, 0)).view(-1)  # [B * P]
+        self.prefix = prefix
+        self.mask = torch.cat([seen[:, None, :].expand(b, q_len, prefix), block_mask.to(dev)], dim=2)[:, None]
+
+    def attend(self, layer: int, q, k, v):
+        """q [B, Hq, Q, D]; k, v [B, Hkv, Q, D] of the block -> [B, Hq, Q, D]."""
+        b, kv_heads, q_len, head_dim = k.shape
+        pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
+        pool_k.index_copy_(0, self.write_slots, k.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(pool_k.dtype))
+        pool_v.index_copy_(0, self.write_slots, v.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(pool_v.dtype))
+        past_k = pool_k.index_select(0, self.read_slots).view(b, self.prefix, kv_heads, head_dim).transpose(1, 2)
+        past_v = pool_v.index_select(0, self.read_slots).view(b, self.prefix, kv_heads, head_dim).transpose(1, 2)
+        keys = torch.cat([past_k, k.to(pool_k.dtype)], dim=2)
+        values = torch.cat([past_v, v.to(pool_v.dtype)], dim=2)
+        return attend(q, keys, values, self.mask)

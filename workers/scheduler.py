@@ -1,0 +1,417 @@
+"""Continuous batching: one step loop over every running request, one target forward per step.
+
+Each `step()`:
+  1. takes what arrived or was cancelled since the last step; cancelled sequences leave now;
+  2. admits waiting requests while `max_num_seqs` and the KV pool allow;
+  3. prefills: chunks of at most `max_prefill_tokens`, cut at fixed multiples of it from the
+     start of each prompt (so a sequence's chunks do not depend on what else runs), as many as
+     fit in `max_prefill_tokens` tokens this step -- a long prompt never holds up the others'
+     decoding by more than one chunk;
+  4. drafts: one drafter pass per drafting sequence, and one tree per sequence at the budget it
+     is granted (see `grant`);
+  5. verifies: ONE target forward over every decoding sequence's tree, each padded to the step's
+     common row count Q (a bucket, so shapes repeat); padding rows sit at their row's start
+     position, see only themselves and are never read;
+  6. walks and commits: each row's choice by its own rule (greedy, or the seeded draw), the
+     walks of all rows, the moves of every accepted path's KV rows in the pool at once;
+  7. emits each sequence's new tokens; finished sequences give back their pages.
+
+A request's tokens do not depend on the batch it ran in: the tree only decides how many tokens
+a round commits, never which (design.md, "Lossless"); prefill chunks are per sequence.
+
+KV memory is a pool of pages (workers.kv_pool). A sequence that cannot grow its pages for a
+verify pass preempts the latest-admitted other sequence: that one's pages are freed and it
+waits, first in line, to be prefilled again over its prompt and the tokens it already emitted.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from ..kernels.batched import TreeBatch, tree_metadata_ref, unpack_bits, walk_batch
+from ..kernels.sampling import choose_tokens, is_greedy
+from ..kernels.tree import Tree, grow_tree
+from .coordinator import Budget, Request, Result, RoundStats, Update, check_budget, check_stop
+from .kv_pool import KVPool, PoolFull
+from .model import TargetModel
+from .sessions import DraftSession
+
+# Verify row counts Q a step may use: a budget-2^k tree (2^k + 1 rows) fills its bucket exactly.
+VERIFY_BUCKETS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1025, 2049)
+
+
+def bucket(rows: int) -> int:
+    """The smallest verify bucket holding `rows` rows."""
+    for q in VERIFY_BUCKETS:
+        if q >= rows:
+            return q
+    return rows
+
+
+class QueueFull(RuntimeError):
+    """The scheduler's waiting queue holds `max_waiting` requests already."""
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_num_seqs: int = 16  # sequences running at once
+    max_waiting: int = 256  # requests waiting to be admitted; more -> QueueFull
+    max_prefill_tokens: int = 256  # prompt tokens prefilled per step (and per chunk)
+    max_step_tokens: int = 1024  # verify rows per step: sequences x Q
+    kv_cache_tokens: int = 32768  # the KV pool's size in tokens
+    kv_page_tokens: int = 16  # tokens per page of the pool
+
+
+def grant(asked: list[int], limits: BatchLimits) -> tuple[list[int], int]:
+    """The rule that fits a step's trees into `max_step_tokens` rows: every tree is cut to the
+    largest bucket Q with (sequences x Q) <= max_step_tokens. asked: drafted nodes each sequence
+    asks for (its budget; a chain asks for block - 1) -> (granted nodes, the bucket cap).
+
+    Example: asked [64, 8, 0], max_step_tokens 64 -> the cap is Q = 17 (3 x 17 = 51 rows; 3 x 33
+    would be 99), so the grants are [16, 8, 0].
+    """
+    n = max(len(asked), 1)
+    cap = max([q for q in VERIFY_BUCKETS if n * q <= limits.max_step_tokens], default=1)
+    return [min(a, cap - 1) for a in asked], cap
+
+
+@dataclass
+class _Sequence:
+    """One request's state. Invariant between steps once prefilled: the pool holds positions
+    [0, length) -- every committed token but the pending bonus output[-1], which sits at
+    position `length`."""
+
+    id: int
+    request: Request
+    budget: Budget
+    seed: int | None
+    arrived: float
+    context: list[int]  # tokens to prefill: the prompt, or prompt + output[:-1] after a preemption
+    output: list[int] = field(default_factory=list)  # emitted completion tokens (pending bonus last)
+    pages: list[int] = field(default_factory=list)  # block table in the KV pool
+    length: int = 0  # positions of `context` in the pool (== len(context) once prefilled)
+    features: list[torch.Tensor] = field(default_factory=list)  # [1, n, F] not yet given to the drafter
+    draft: DraftSession | None = None
+    rounds: list[RoundStats] = field(default_factory=list)
+    sent: int = 0  # output tokens already emitted
+    prefill_s: float = 0.0
+    decode_started: float = 0.0
+    finish_reason: str | None = None
+    text: str | None = None
+
+    @property
+    def prefilled(self) -> bool:
+        return self.length >= len(self.context)
+
+
+class Scheduler:
+    """Owns the running batch of one in-process target (+ optional drafter).
+
+    `add` and `cancel` may be called from any thread; `step` runs on one thread at a time.
+    """
+
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter=None,  # a Proposer (workers.drafter), or None: plain decoding only
+        budget: Budget = 0,
+        limits: BatchLimits = BatchLimits(),
+        decode: Callable[[list[int]], str] | None = None,
+    ):
+        if limits.max_num_seqs > limits.max_step_tokens:
+            raise ValueError(
+                f"max_num_seqs ({limits.max_num_seqs}) exceeds max_step_tokens ({limits.max_step_tokens}): "
+                "a step could not give every sequence one verify row"
+            )
+        self.target, self.drafter, self.limits, self.decode = target, drafter, limits, decode
+        self.budget = check_budget(budget, drafter is not None)
+        self.pool = KVPool(target.config, limits.kv_cache_tokens, limits.kv_page_tokens, target.dtype, target.device)
+        self.waiting: deque[_Sequence] = deque()
+        self.running: list[_Sequence] = []
+        self._arrivals: deque[_Sequence] = deque()
+        self._cancels: deque[int] = deque()
+        self._next_id = 0
+        self.preemptions = 0  # sequences preempted so far (their pages freed, recomputed later)
+
+    # --- the requests' side ---------------------------------------------------------------------
+
+    def check_budget(self, budget: Budget) -> Budget:
+        return check_budget(budget, has_drafter=self.drafter is not None)
+
+    def add(self, request: Request) -> int:
+        """Queues a request; returns its id. ValueError for a request that can never run,
+        QueueFull when `max_waiting` requests wait already."""
+        if not request.prompt:
+            raise ValueError("the prompt is empty")
+        if request.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        budget = self.check_budget(self.budget if request.budget is None else request.budget)
+        largest = self.pool.pages_for(len(request.prompt) + 1 + self._nodes(budget) + 1)
+        if largest > self.pool.num_pages:
+            raise ValueError(
+                f"the prompt ({len(request.prompt)} tokens) does not fit this replica's KV pool "
+                f"({self.pool.tokens} tokens)"
+            )
+        if len(self.waiting) + len(self._arrivals) >= self.limits.max_waiting:
+            raise QueueFull(f"{self.limits.max_waiting} requests are waiting already")
+        seed = None
+        if not is_greedy(request.sampling):
+            seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
+        seq = _Sequence(self._next_id, request, budget, seed, time.perf_counter(), list(request.prompt))
+        self._next_id += 1
+        self._arrivals.append(seq)
+        return seq.id
+
+    def cancel(self, seq_id: int) -> None:
+        """The sequence leaves at the start of the next step and frees its memory."""
+        self._cancels.append(seq_id)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting or self._arrivals or self._cancels)
+
+    def generate(self, requests: list[Request]) -> list[Result]:
+        """Runs `requests` as one batch to the end; results in request order."""
+        ids = [self.add(r) for r in requests]
+        results: dict[int, Result] = {}
+        while len(results) < len(ids):
+            for seq_id, update in self.step():
+                if update.result is not None:
+                    results[seq_id] = update.result
+        return [results[i] for i in ids]
+
+    def stream(self, request: Request) -> Iterator[Update]:
+        """One request alone (the single-request API over the same step loop)."""
+        seq_id = self.add(request)
+        while True:
+            for sid, update in self.step():
+                if sid == seq_id:
+                    yield update
+                    if update.result is not None:
+                        return
+
+    # --- the step ---------------------------------------------------------------------------------
+
+    def step(self) -> list[tuple[int, Update]]:
+        """One step of the whole batch; returns (sequence id, update) for every sequence that
+        emitted tokens or finished."""
+        # 1. arrivals and cancellations
+        while self._arrivals:
+            self.waiting.append(self._arrivals.popleft())
+        while self._cancels:
+            self._drop(self._cancels.popleft())
+        # 2. admission
+        self._admit()
+        # 3. prefill chunks; 4-6. draft, verify, walk, commit
+        touched = self._prefill() + self._decode()
+        touched += [s for s in self.running if s.finish_reason is not None]  # e.g. out of memory
+        emitted, seen = [], set()
+        for seq in touched:
+            if seq.id not in seen:
+                seen.add(seq.id)
+                emitted.append((seq.id, self._emit(seq)))
+        # 7. retire
+        for seq in [s for s in self.running if s.finish_reason is not None]:
+            self._retire(seq)
+        return emitted
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.limits.max_num_seqs:
+            seq = self.waiting[0]
+            # the whole context now, plus one page for the first rounds: prefill never stalls half-way
+            if self.pool.pages_for(len(seq.context)) + 1 > self.pool.free_pages and self.running:
+                return
+            self.waiting.popleft()
+            self.running.append(seq)
+
+    def _prefill(self) -> list[_Sequence]:
+        """Prefill chunks, oldest sequence first, up to max_prefill_tokens tokens this step."""
+        done, used = [], 0
+        chunk = self.limits.max_prefill_tokens
+        for seq in [s for s in self.running if not s.prefilled]:
+            while not seq.prefilled:
+                end = min(len(seq.context), (seq.length // chunk + 1) * chunk)
+                if used and used + end - seq.length > chunk:
+                    return done
+                used += end - seq.length
+                if self._prefill_chunk(seq, end):
+                    done.append(seq)
+        return done
+
+    def _prefill_chunk(self, seq: _Sequence, end: int) -> bool:
+        """Prefills context[length:end]; True when that completed the prefill."""
+        t0 = time.perf_counter()
+        try:
+            self._make_room(seq, end)
+        except PoolFull:
+            return True  # it ended ("length"): not even the whole pool holds its context
+        tokens = torch.tensor([seq.context[seq.length : end]], device=self.target.device)
+        n = tokens.shape[1]
+        positions = seq.length + torch.arange(n, device=tokens.device)[None]
+        capture = self._capture(seq)
+        out = self.target(tokens, positions, self.target.prefill_mask(n), self.pool.batch([seq.pages], [seq.length]),
+                          capture, logits_to_keep=1)
+        seq.length = end
+        if out.features is not None:
+            seq.features.append(out.features)
+        if not seq.prefilled:
+            seq.prefill_s += time.perf_counter() - t0
+            return False
+        if not seq.output:  # a fresh sequence: its first token; a recomputed one has its bonus
+            first = choose_tokens(out.logits[0, -1:], seq.request.sampling, seq.seed, [end])
+            seq.output.append(int(first[0]))
+            seq.finish_reason, seq.text = check_stop(seq.request, seq.output, self.decode)
+        if capture and seq.draft is None:
+            slots = len(seq.request.prompt) + seq.request.max_tokens + self.drafter.block_size + 1
+            seq.draft = DraftSession(self.drafter, slots)
+        seq.prefill_s += time.perf_counter() - t0
+        seq.decode_started = time.perf_counter()
+        return True
+
+    def _capture(self, seq: _Sequence) -> tuple[int, ...]:
+        return tuple(self.drafter.target_layer_ids) if seq.budget != 0 else ()
+
+    def _nodes(self, budget: Budget) -> int:
+        """Drafted nodes a budget asks for (a chain: one per drafted depth)."""
+        return self.drafter.block_size - 1 if budget == "chain" else budget
+
+    def _decode(self) -> list[_Sequence]:
+        rows = [s for s in self.running if s.prefilled and s.finish_reason is None]
+        if not rows:
+            return []
+        # 4. draft and build one tree per sequence, at its granted budget
+        granted, _ = grant([self._nodes(s.budget) for s in rows], self.limits)
+        trees, draft_s = [], []
+        for seq, nodes in zip(rows, granted):
+            t0 = time.perf_counter()
+            trees.append(self._tree(seq, nodes))
+            draft_s.append(time.perf_counter() - t0)
+        q_len = bucket(max(t.size for t in trees))
+        rows, trees, draft_s, granted = self._reserve(rows, trees, draft_s, granted, q_len)
+        if not rows:
+            return []
+
+        # 5. verify: one forward over every tree, padded to Q rows each
+        t0 = time.perf_counter()
+        lengths = torch.tensor([s.length for s in rows], dtype=torch.int64)
+        batch = TreeBatch.of(trees, q_len)
+        meta = tree_metadata_ref(batch, lengths)
+        dev = self.target.device
+        capture = tuple(self.drafter.target_layer_ids) if any(s.budget != 0 for s in rows) else ()
+        out = self.target(batch.tokens.to(dev), meta.positions.to(dev), unpack_bits(meta.bits, q_len).to(dev),
+                          self.pool.batch([s.pages for s in rows], [s.length for s in rows]), capture)
+        t1 = time.perf_counter()
+
+        # 6. each row's choice by its own rule, the walks, the KV moves of the accepted paths
+        choices = torch.zeros(len(rows), q_len, dtype=torch.int64)
+        for b, (seq, tree) in enumerate(zip(rows, trees)):
+            after = (seq.length + tree.depths + 1).tolist()
+            choices[b, : tree.size] = choose_tokens(out.logits[b, : tree.size], seq.request.sampling, seq.seed, after)
+        walk = walk_batch(batch, choices)
+        src, dst = [], []
+        for b, seq in enumerate(rows):
+            path = walk.path[b, : int(walk.length[b])]
+            src.append(self.pool.slots([seq.pages], (seq.length + path)[None])[0])
+            dst.append(self.pool.slots([seq.pages], (seq.length + torch.arange(len(path)))[None])[0])
+        src_slots, dst_slots = torch.cat(src), torch.cat(dst)
+        moved = src_slots != dst_slots
+        self.pool.move(src_slots[moved], dst_slots[moved])
+        t2 = time.perf_counter()
+
+        for b, (seq, tree) in enumerate(zip(rows, trees)):
+            n = int(walk.length[b])
+            path = walk.path[b, :n]
+            seq.length += n
+            self.pool.shrink(seq.pages, seq.length + 1)
+            if out.features is not None and seq.budget != 0:
+                seq.features.append(out.features[b : b + 1, path])
+            seq.output.extend(tree.tokens[path[1:]].tolist() + [int(walk.bonus[b])])
+            seq.finish_reason, seq.text = check_stop(seq.request, seq.output, self.decode)
+            per_depth = tuple(torch.bincount(tree.depths)[1:].tolist())
+            granted_budget = "chain" if seq.budget == "chain" and granted[b] == self._nodes("chain") else granted[b]
+            seq.rounds.append(RoundStats(tree.size, n - 1, draft_s[b], 0.0, t1 - t0, t2 - t1, per_depth,
+                                         budget=granted_budget))
+        return rows
+
+    def _tree(self, seq: _Sequence, nodes: int) -> Tree:
+        bonus = seq.output[-1]
+        if nodes == 0 or seq.draft is None:
+            return Tree.root_only(bonus)
+        features = torch.cat(seq.features, dim=1)
+        seq.features = []
+        top_k = 1 if seq.budget == "chain" else nodes
+        proposal = seq.draft.propose(features, bonus, seq.length, top_k)
+        return grow_tree(bonus, proposal.candidates, nodes)
+
+    def _reserve(self, rows, trees, draft_s, granted, q_len):
+        """Grows every row's pages to hold its verify block (positions length ... + Q - 1),
+        preempting the latest-admitted sequences when the pool runs out."""
+        for seq in list(rows):
+            if seq not in self.running:  # preempted by an earlier row of this loop
+                continue
+            try:
+                self._make_room(seq, seq.length + q_len)
+            except PoolFull:
+                pass  # it ended ("length") and is emitted as finished
+        keep = [i for i, s in enumerate(rows) if s in self.running and s.finish_reason is None]
+        return [rows[i] for i in keep], [trees[i] for i in keep], [draft_s[i] for i in keep], [granted[i] for i in keep]
+
+    def _make_room(self, seq: _Sequence, positions: int) -> None:
+        """Preempts the latest-admitted other sequences until `seq` can hold `positions`; a
+        sequence that cannot fit even alone ends with finish_reason "length"."""
+        while True:
+            try:
+                self.pool.grow(seq.pages, positions)
+                return
+            except PoolFull:
+                victims = [s for s in self.running if s is not seq]
+                if not victims:
+                    seq.finish_reason = "length"
+                    seq.text = self.decode(seq.output) if self.decode else None
+                    raise PoolFull(f"sequence {seq.id} needs {positions} positions; the pool holds {self.pool.tokens}")
+                self._preempt(victims[-1])
+
+    def _preempt(self, seq: _Sequence) -> None:
+        self.preemptions += 1
+        self.running.remove(seq)
+        self.pool.release(seq.pages)
+        seq.length, seq.features, seq.draft = 0, [], None
+        seq.context = list(seq.request.prompt) + seq.output[:-1]
+        self.waiting.appendleft(seq)
+
+    def _emit(self, seq: _Sequence) -> Update:
+        new = seq.output[seq.sent :]
+        seq.sent = len(seq.output)
+        result = None
+        if seq.finish_reason is not None:
+            now = time.perf_counter()
+            result = Result(seq.output, seq.text, seq.finish_reason, seq.seed, seq.prefill_s,
+                            now - seq.decode_started if seq.decode_started else 0.0, seq.rounds)
+        return Update(new, seq.rounds[-1] if seq.rounds else None, result)
+
+    def _retire(self, seq: _Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.release(seq.pages)
+        seq.draft = None
+
+    def abort_all(self) -> None:
+        """Drops every sequence (after a failed step): their pages go back to the pool."""
+        for seq in self.running:
+            self.pool.release(seq.pages)
+        self.running, self.waiting = [], deque()
+        self._arrivals.clear()
+        self._cancels.clear()
+
+    def _drop(self, seq_id: int) -> None:
+        for seq in list(self.running):
+            if seq.id == seq_id:
+                self._retire(seq)
+        for seq in list(self.waiting):
+            if seq.id == seq_id:
+                self.waiting.remove(seq)
