@@ -60,6 +60,23 @@ class ModelPairConfig(BaseModel):
         "placement group of the local Ray cluster (started if none)."
     )
 
+    max_num_seqs: int = Field(16, ge=1, description="Sequences one engine runs at once (one forward per step).")
+    max_waiting: int = Field(
+        64, ge=0, description="Requests one engine holds waiting for a place; more are refused (HTTP 429)."
+    )
+    max_prefill_tokens: int = Field(
+        256, ge=1, description="Prompt tokens prefilled per step: a long prompt is cut into chunks of this "
+        "size, so running requests keep decoding between them."
+    )
+    max_step_tokens: int = Field(
+        1024, ge=1, description="Verify rows per step (sequences x padded tree rows); trees are cut to fit."
+    )
+    kv_cache_tokens: int | None = Field(
+        None, ge=1, description="Size of the shared KV pool in tokens; None = an eighth of the memory "
+        "available at start-up (CPU) or a quarter of the free GPU memory, at most max_num_seqs full contexts."
+    )
+    kv_page_tokens: int = Field(16, ge=1, description="Tokens per page of the KV pool.")
+
     @field_validator("budget", mode="before")
     @classmethod
     def _budget(cls, v):

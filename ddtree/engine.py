@@ -4,6 +4,7 @@ request (chat template, EOS, decoding). The CLI and the Serve engine deployment 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -14,7 +15,9 @@ from .config import GenerateConfig, ModelPairConfig, SamplingParams
 from .workers.coordinator import Budget, Coordinator, Request, Result
 from .workers.drafter import DFlashDrafter
 from .workers.loading import LoadedTarget, load_target, load_tokenizer, target_directory, weights_identity
+from .workers.kv_pool import KVPool
 from .workers.model import ModelConfig
+from .workers.scheduler import BatchLimits, Scheduler
 
 
 SHIPPED_DRAFTER = Path(__file__).parent / "drafters" / "smollm2-135m-instruct"
@@ -51,11 +54,28 @@ def device(config: ModelPairConfig) -> torch.device:
     return torch.device("cpu")
 
 
+def batch_limits(config: ModelPairConfig, model) -> BatchLimits:
+    """The scheduler's limits; the KV pool by default: an eighth of the available memory (CPU)
+    or a quarter of the free GPU memory, at most `max_num_seqs` full contexts."""
+    tokens = config.kv_cache_tokens
+    if tokens is None:
+        if model.device.type == "cuda":
+            budget = torch.cuda.mem_get_info(model.device)[0] // 4
+        else:
+            budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8
+        per_token = KVPool.bytes_per_token(model.config, model.dtype)
+        tokens = min(budget // per_token, config.max_num_seqs * model.config.max_position_embeddings)
+        tokens = max(tokens, config.kv_page_tokens * 4)
+    return BatchLimits(config.max_num_seqs, config.max_waiting, config.max_prefill_tokens, config.max_step_tokens,
+                       tokens, config.kv_page_tokens)
+
+
 @dataclass
 class Engine:
     config: ModelPairConfig
     target: LoadedTarget  # its model is None when the target lives in TargetShard actors (tp > 1)
     coordinator: Coordinator  # or a DistributedEngine (same generate / stream / budget)
+    scheduler: Scheduler | None = None  # the batched step loop (in-process targets)
 
     @classmethod
     def from_config(cls, config: ModelPairConfig) -> "Engine":
@@ -84,6 +104,7 @@ class Engine:
             engine.coordinator = Coordinator(
                 target.model, drafter, fixed, static_shapes=config.static_shapes, decode=engine.decode
             )
+            engine.scheduler = Scheduler(target.model, drafter, fixed, batch_limits(config, target.model), engine.decode)
         if config.budget == "auto":
             from .calibrate import calibrated_budget
 
@@ -92,6 +113,8 @@ class Engine:
             else:
                 drafter_id = f"untrained-block{config.block_size}"
             engine.coordinator.budget = calibrated_budget(engine, drafter_id)
+            if engine.scheduler is not None:
+                engine.scheduler.budget = engine.coordinator.budget
         return engine
 
     @property
@@ -151,4 +174,4 @@ class Engine:
             self.request(self.render_chat([{"role": "user", "content": m}]), config.max_tokens, config.sampling, tuple(config.stop))
             for m in user_messages
         ]
-        return self.coordinator.generate(requests)
+        return (self.scheduler or self.coordinator).generate(requests)

@@ -60,6 +60,12 @@ class EngineMetrics:
         self._queued += delta
         self.queued_gauge.set(self._queued)
 
+    def set_batch(self, running: int, queued: int) -> None:
+        """The scheduler's batch after a step: sequences running, requests waiting."""
+        self._running, self._queued = running, queued
+        self.running_gauge.set(running)
+        self.queued_gauge.set(queued)
+
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
 

@@ -56,6 +56,7 @@ class RoundStats:
     commit_s: float  # walk, KV compaction, feature hand-off, stop checks
     drafted_per_depth: tuple[int, ...] = ()  # [depth - 1] -> tree nodes at that depth
     transport_s: float = 0.0  # time in calls beyond the models' own work (Ray, serialization)
+    budget: Budget | None = None  # the budget this round was granted (a batch may grant less than asked)
 
 
 @dataclass
@@ -236,27 +237,31 @@ class Coordinator:
         return grow_tree(bonus, proposal.candidates, depths if budget == "chain" else budget)
 
     def _check_stop(self, seq: _Sequence) -> None:
-        """Cuts the output at the first EOS, stop string or max_tokens and sets finish_reason."""
-        request, out = seq.request, seq.output
-        eos = set(request.eos_token_ids)
-        for i, token in enumerate(out[: request.max_tokens]):
-            if token in eos:
-                del out[i + 1 :]
-                seq.finish_reason = "stop"
-                break
-        if seq.finish_reason is None and len(out) >= request.max_tokens:
-            del out[request.max_tokens :]
-            seq.finish_reason = "length"
-        if self.decode is None:
-            return
-        text = self.decode(out)
-        hits = [(text.find(s), s) for s in request.stop if s and s in text]
-        if hits:
-            cut = min(hits)[0]
-            # keep the fewest tokens whose text reaches the stop string's end
-            end = cut + len(min(hits)[1])
-            keep = next(n for n in range(1, len(out) + 1) if len(self.decode(out[:n])) >= end)
-            del out[keep:]
-            seq.finish_reason, seq.text = "stop", text[:cut]
-        else:
-            seq.text = text
+        seq.finish_reason, seq.text = check_stop(seq.request, seq.output, self.decode)
+
+
+def check_stop(request: Request, out: list[int], decode: Callable[[list[int]], str] | None) -> tuple[str | None, str | None]:
+    """Cuts `out` (in place) at the first EOS, stop string or max_tokens; returns
+    (finish_reason or None, the decoded text cut before a stop string, or None without `decode`)."""
+    finish_reason, text = None, None
+    eos = set(request.eos_token_ids)
+    for i, token in enumerate(out[: request.max_tokens]):
+        if token in eos:
+            del out[i + 1 :]
+            finish_reason = "stop"
+            break
+    if finish_reason is None and len(out) >= request.max_tokens:
+        del out[request.max_tokens :]
+        finish_reason = "length"
+    if decode is None:
+        return finish_reason, text
+    text = decode(out)
+    hits = [(text.find(s), s) for s in request.stop if s and s in text]
+    if hits:
+        cut = min(hits)[0]
+        # keep the fewest tokens whose text reaches the stop string's end
+        end = cut + len(min(hits)[1])
+        keep = next(n for n in range(1, len(out) + 1) if len(decode(out[:n])) >= end)
+        del out[keep:]
+        return "stop", text[:cut]
+    return finish_reason, text
