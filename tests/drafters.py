@@ -24,6 +24,9 @@ class OracleDrafter:
     def new_cache(self, batch: int, slots: int):
         return None
 
+    def draft_rows(self, caches, features, bonus, start):
+        return self.draft(None, None, bonus, start)
+
     def draft(self, cache, features, bonus, start):
         depths = self.block_size - 1
         out = torch.empty(len(start), depths, self.vocab, dtype=torch.float64)

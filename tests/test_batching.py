@@ -190,3 +190,26 @@ def test_a_full_queue_refuses_and_a_prompt_larger_than_the_pool_is_an_error(tiny
         scheduler.add(Request([3], 4))
     with pytest.raises(ValueError, match="KV pool"):
         scheduler.add(Request(list(range(90)), 4))
+
+
+def test_one_drafter_pass_for_many_sequences_equals_each_alone(tiny_checkpoint):
+    """draft_rows runs R sequences' blocks in one pass (their new context of different lengths
+    concatenated, attention row by row): each row's log-probs are its lone draft's, and each
+    row's cache ends as the lone one does."""
+    _, target, _ = tiny_checkpoint("llama", 97)
+    drafter = DFlashDrafter.untrained(target, block_size=6, seed=3)
+    torch.manual_seed(0)
+    width = len(drafter.target_layer_ids) * target.config.hidden_size
+    history = [[5, 3, 1], [1, 7, 2], [4, 1, 9]]  # features handed over per round, per sequence
+    alone = [drafter.new_cache(1, 64) for _ in history]
+    together = [drafter.new_cache(1, 64) for _ in history]
+    start = [0, 0, 0]
+    for round_ in range(3):
+        feats = [torch.randn(1, h[round_], width, dtype=torch.float64) for h in history]
+        start = [s + h[round_] for s, h in zip(start, history)]
+        bonus = torch.tensor([11, 12, 13])
+        rows = drafter.draft_rows(together, feats, bonus, torch.tensor(start))
+        for r in range(3):
+            lone = drafter.draft(alone[r], feats[r], bonus[r : r + 1], torch.tensor([start[r]]))
+            torch.testing.assert_close(rows[r], lone[0], rtol=1e-10, atol=1e-10)
+            assert int(together[r].lengths[0]) == int(alone[r].lengths[0]) == start[r]

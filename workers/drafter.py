@@ -60,6 +60,11 @@ class Proposer(Protocol):
         bonus. Returns log-probs [B, B_blk - 1, V] for positions start + 1 ... start + B_blk - 1."""
         ...
 
+    def draft_rows(self, caches: list, features: list[torch.Tensor], bonus: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """`draft` for R sequences at once, each with its own one-row cache and features
+        [1, n_r, F] -> log-probs [R, B_blk - 1, V]."""
+        ...
+
 
 @dataclass(frozen=True)
 class DFlashConfig:
@@ -256,6 +261,43 @@ class DraftCache:
     v: torch.Tensor  # [L, B, Hkv, S, D]
     lengths: torch.Tensor  # [B] int64
 
+    def attend(self, layer: int, q, k_blk, v_blk, k_ctx, v_ctx):
+        """Appends the new context keys/values k_ctx, v_ctx [B, Hkv, n, D] (or None) after each
+        row's committed ones; the block q, k_blk, v_blk [B, heads, S, D] attends over the row's
+        context and the whole block (bidirectional) -> [B, Hq, S, D]."""
+        b, s = q.shape[0], q.shape[2]
+        n = k_ctx.shape[2] if k_ctx is not None else 0
+        if n:
+            slots = (self.lengths[:, None] + torch.arange(n, device=q.device))[:, None, :, None]
+            slots = slots.expand(b, k_ctx.shape[1], n, k_ctx.shape[3])
+            self.k[layer].scatter_(2, slots, k_ctx.to(self.k.dtype))
+            self.v[layer].scatter_(2, slots, v_ctx.to(self.v.dtype))
+        total = int(self.lengths.max()) + n
+        keys = torch.cat([self.k[layer, :, :, :total], k_blk], dim=2)
+        values = torch.cat([self.v[layer, :, :, :total], v_blk], dim=2)
+        seen = torch.arange(total, device=q.device)[None, :] < (self.lengths + n)[:, None]
+        mask = torch.cat([seen, torch.ones(b, s, dtype=torch.bool, device=q.device)], dim=1)
+        return attend(q, keys, values, mask[:, None, None, :])
+
+
+@dataclass
+class RowCaches:
+    """Separate one-row DraftCaches drafting together: one block per row, the rows' new
+    context tokens concatenated (counts[r] of them for row r), attention row by row over each
+    row's own context, every projection batched."""
+
+    caches: list[DraftCache]  # one-row caches
+    counts: list[int]  # new context tokens per row
+
+    def attend(self, layer: int, q, k_blk, v_blk, k_ctx, v_ctx):
+        """k_ctx, v_ctx [1, Hkv, sum(counts), D]; q, k_blk, v_blk [R, heads, S, D]."""
+        out, at = [], 0
+        for r, (cache, n) in enumerate(zip(self.caches, self.counts)):
+            part = (k_ctx[:, :, at : at + n], v_ctx[:, :, at : at + n]) if n else (None, None)
+            out.append(cache.attend(layer, q[r : r + 1], k_blk[r : r + 1], v_blk[r : r + 1], *part))
+            at += n
+        return torch.cat(out, dim=0)
+
 
 class DraftAttention(nn.Module):
     def __init__(self, c: DFlashConfig):
@@ -281,21 +323,9 @@ class DraftAttention(nn.Module):
         q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, *block_rope)
         k_blk, v_blk = self.keys_values(x, *block_rope)
-        n = ctx.shape[1]
-        if n:
-            k_ctx, v_ctx = self.keys_values(ctx, *ctx_rope)
-            for row in range(b):
-                at = int(cache.lengths[row])
-                cache.k[layer, row, :, at : at + n] = k_ctx[row]
-                cache.v[layer, row, :, at : at + n] = v_ctx[row]
-        total = int(cache.lengths.max()) + n
-        keys = torch.cat([cache.k[layer, :, :, :total], k_blk], dim=2)
-        values = torch.cat([cache.v[layer, :, :, :total], v_blk], dim=2)
-        seen = torch.arange(total, device=x.device)[None, :] < (cache.lengths + n)[:, None]
-        mask = torch.cat([seen, torch.ones(b, s, dtype=torch.bool, device=x.device)], dim=1)
-        out = attend(q, keys, values, mask[:, None, None, :])
+        k_ctx, v_ctx = self.keys_values(ctx, *ctx_rope) if ctx.shape[1] else (None, None)
+        out = cache.attend(layer, q, k_blk, v_blk, k_ctx, v_ctx)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-
 
     def forward_blocks(self, x, block_rope, ctx, ctx_rope, visible):
         """Training: A blocks at once over one sequence's context, no cache.
@@ -406,22 +436,27 @@ class DFlashDrafter(nn.Module):
     def hidden(self, cache: DraftCache, features, bonus, start) -> torch.Tensor:
         """The drafter's final hidden states [B, S, H] for the block at positions start + i;
         appends the context keys/values of `features` to `cache`."""
-        target = self._target[0]
-        b, n = features.shape[:2]
-        s = self.block_size
+        n = features.shape[1]
         if not torch.equal(cache.lengths + n, start):
             raise ValueError(f"drafter cache holds {cache.lengths.tolist()} tokens + {n} new, but the bonus sits at {start.tolist()}")
-        block = torch.full((b, s), self.config.mask_token_id, dtype=torch.int64, device=bonus.device)
+        ctx_pos = cache.lengths[:, None] + torch.arange(n, device=bonus.device)
+        x = self._run(features, bonus, start, ctx_pos, cache)
+        cache.lengths += n
+        return x
+
+    def _run(self, features, bonus, start, ctx_pos, cache) -> torch.Tensor:
+        """The layers over blocks [bonus, MASK...] at start + i, given new context features at
+        positions ctx_pos (shapes as `cache` lays them out) -> final hidden states [B, S, H]."""
+        target = self._target[0]
+        s = self.block_size
+        block = torch.full((bonus.shape[0], s), self.config.mask_token_id, dtype=torch.int64, device=bonus.device)
         block[:, 0] = bonus
         x = target.model.embed_tokens(block).to(self.dtype)
         ctx = self.hidden_norm(self.fc(features.to(self.dtype)))
-        steps = torch.arange(s, device=bonus.device)
-        block_rope = rope_cos_sin(start[:, None] + steps, self.rope, self.dtype)
-        ctx_pos = cache.lengths[:, None] + torch.arange(n, device=bonus.device)
+        block_rope = rope_cos_sin(start[:, None] + torch.arange(s, device=bonus.device), self.rope, self.dtype)
         ctx_rope = rope_cos_sin(ctx_pos, self.rope, self.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, block_rope, ctx, ctx_rope, i, cache)
-        cache.lengths += n
         return self.norm(x)
 
     def block_logits(self, features: torch.Tensor, tokens: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
@@ -443,6 +478,24 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             x = layer.forward_blocks(x, block_rope, ctx, ctx_rope, visible)
         return self.head(self.norm(x[:, 1:]))
+
+    @torch.inference_mode()
+    def draft_rows(self, caches: list[DraftCache], features: list[torch.Tensor], bonus, start) -> torch.Tensor:
+        """Many sequences' drafts in one pass: caches[r] is row r's one-row cache, features[r]
+        [1, n_r, F] its new target features, bonus [R], start [R] -> log-probs [R, B_blk - 1, V]
+        (each row what `draft` would give it alone, up to float summation order)."""
+        dev = self.fc.weight.device
+        counts = [f.shape[1] for f in features]
+        for cache, n, at in zip(caches, counts, start.tolist()):
+            if int(cache.lengths[0]) + n != at:
+                raise ValueError(f"drafter cache holds {int(cache.lengths[0])} tokens + {n} new, but the bonus sits at {at}")
+        bonus, start = bonus.to(dev), start.to(dev)
+        ctx_pos = torch.cat([int(c.lengths[0]) + torch.arange(n) for c, n in zip(caches, counts)])[None].to(dev)
+        x = self._run(torch.cat(features, dim=1).to(dev), bonus, start, ctx_pos, RowCaches(caches, counts))
+        for cache, n in zip(caches, counts):
+            cache.lengths += n
+        logprobs = torch.log_softmax(self.head(x[:, 1:]).double(), dim=-1)
+        return self._to_vocab(logprobs)
 
     @torch.inference_mode()
     def draft(self, cache: DraftCache, features, bonus, start) -> torch.Tensor:

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .model import ModelConfig, attend
+from ..kernels.batched import tree_attention
+from ..kernels.triton_support import use_triton
+from .model import ModelConfig, TreeBits, attend, slot_mask
 
 
 class PoolFull(RuntimeError):
@@ -100,36 +102,40 @@ class PagedBatch:
     tables: list[list[int]]  # per row: its pages, covering lengths[b] + Q positions
     lengths: torch.Tensor  # [B] int64, committed positions per row; the block starts there
 
-    def bind(self, block_mask: torch.Tensor, q_len: int) -> "PagedView":
+    def bind(self, block_mask, q_len: int) -> "PagedView":
         return PagedView(self, block_mask, q_len)
 
 
 class PagedView:
-    """A PagedBatch bound to one forward. Each row attends over its own prefix (gathered from
-    the pool, padded to the batch's longest with masked slots) followed by its block:
-    keys [B, Hkv, P + Q, D], mask [B, 1, Q, P + Q] = (prefix slot < lengths[b]) | block_mask."""
+    """A PagedBatch bound to one forward. The block's keys and values go to the pool at
+    positions lengths[b] ... + Q - 1; each row then reads positions [0, span) back from the pool
+    (span = the longest row's lengths + Q; a shorter row's tail is masked), the same layout as a
+    dense cache row, so the same attention runs: a [B, 1, Q, span] mask (kernels'
+    `slot_mask`), or on CUDA the tree-attention kernel over TreeBits."""
 
-    def __init__(self, batch: PagedBatch, block_mask: torch.Tensor, q_len: int):
+    def __init__(self, batch: PagedBatch, block_mask, q_len: int):
         pool, lengths = batch.pool, batch.lengths
         dev = lengths.device
-        b, prefix = lengths.shape[0], int(lengths.max())
-        steps = torch.arange(q_len, device=dev)
-        self.pool = pool
-        self.write_slots = pool.slots(batch.tables, lengths[:, None] + steps).view(-1)  # [B * Q]
-        cols = torch.arange(prefix, device=dev)[None, :]
-        seen = cols < lengths[:, None]  # [B, P]
-        self.read_slots = pool.slots(batch.tables, torch.where(seen, cols, 0)).view(-1)  # [B * P]
-        self.prefix = prefix
-        self.mask = torch.cat([seen[:, None, :].expand(b, q_len, prefix), block_mask.to(dev)], dim=2)[:, None]
+        self.pool, self.lengths = pool, lengths
+        self.span = int(lengths.max()) + q_len
+        self.write_slots = pool.slots(batch.tables, lengths[:, None] + torch.arange(q_len, device=dev)).view(-1)
+        cols = torch.arange(self.span, device=dev)[None, :]
+        valid = cols < (lengths[:, None] + q_len)
+        self.read_slots = pool.slots(batch.tables, torch.where(valid, cols, 0)).view(-1)  # [B * span]
+        if isinstance(block_mask, TreeBits) and use_triton(pool.k):
+            self.mask = block_mask
+        else:
+            dense = block_mask.dense() if isinstance(block_mask, TreeBits) else block_mask
+            self.mask = slot_mask(lengths, dense.to(dev), self.span)[:, None]
 
     def attend(self, layer: int, q, k, v):
         """q [B, Hq, Q, D]; k, v [B, Hkv, Q, D] of the block -> [B, Hq, Q, D]."""
-        b, kv_heads, q_len, head_dim = k.shape
+        b, kv_heads, _, head_dim = k.shape
         pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
         pool_k.index_copy_(0, self.write_slots, k.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(pool_k.dtype))
         pool_v.index_copy_(0, self.write_slots, v.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(pool_v.dtype))
-        past_k = pool_k.index_select(0, self.read_slots).view(b, self.prefix, kv_heads, head_dim).transpose(1, 2)
-        past_v = pool_v.index_select(0, self.read_slots).view(b, self.prefix, kv_heads, head_dim).transpose(1, 2)
-        keys = torch.cat([past_k, k.to(pool_k.dtype)], dim=2)
-        values = torch.cat([past_v, v.to(pool_v.dtype)], dim=2)
+        keys = pool_k.index_select(0, self.read_slots).view(b, self.span, kv_heads, head_dim).transpose(1, 2)
+        values = pool_v.index_select(0, self.read_slots).view(b, self.span, kv_heads, head_dim).transpose(1, 2)
+        if isinstance(self.mask, TreeBits):
+            return tree_attention(q, keys, values, self.lengths, self.mask.bits)
         return attend(q, keys, values, self.mask)

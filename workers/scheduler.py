@@ -34,13 +34,12 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..kernels.batched import TreeBatch, tree_metadata_ref, unpack_bits, walk_batch
-from ..kernels.sampling import choose_tokens, is_greedy
-from ..kernels.tree import Tree, grow_tree
+from ..kernels.batched import TreeBatch, sampled_choices, tree_metadata, walk_batch
+from ..kernels.sampling import choose_tokens, is_greedy, processed_probs
+from ..kernels.tree import Candidates, Tree, grow_tree
 from .coordinator import Budget, Request, Result, RoundStats, Update, check_budget, check_stop
 from .kv_pool import KVPool, PoolFull
-from .model import TargetModel
-from .sessions import DraftSession
+from .model import TargetModel, TreeBits
 
 # Verify row counts Q a step may use: a budget-2^k tree (2^k + 1 rows) fills its bucket exactly.
 VERIFY_BUCKETS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1025, 2049)
@@ -97,7 +96,8 @@ class _Sequence:
     pages: list[int] = field(default_factory=list)  # block table in the KV pool
     length: int = 0  # positions of `context` in the pool (== len(context) once prefilled)
     features: list[torch.Tensor] = field(default_factory=list)  # [1, n, F] not yet given to the drafter
-    draft: DraftSession | None = None
+    draft: object | None = None  # the drafter's one-row context cache (Proposer.new_cache)
+    drafting: bool = False  # the drafter holds this sequence's context (set once prefilled)
     rounds: list[RoundStats] = field(default_factory=list)
     sent: int = 0  # output tokens already emitted
     prefill_s: float = 0.0
@@ -267,9 +267,9 @@ class Scheduler:
             first = choose_tokens(out.logits[0, -1:], seq.request.sampling, seq.seed, [end])
             seq.output.append(int(first[0]))
             seq.finish_reason, seq.text = check_stop(seq.request, seq.output, self.decode)
-        if capture and seq.draft is None:
+        if capture and not seq.drafting:
             slots = len(seq.request.prompt) + seq.request.max_tokens + self.drafter.block_size + 1
-            seq.draft = DraftSession(self.drafter, slots)
+            seq.draft, seq.drafting = self.drafter.new_cache(1, slots), True
         seq.prefill_s += time.perf_counter() - t0
         seq.decode_started = time.perf_counter()
         return True
@@ -285,69 +285,83 @@ class Scheduler:
         rows = [s for s in self.running if s.prefilled and s.finish_reason is None]
         if not rows:
             return []
-        # 4. draft and build one tree per sequence, at its granted budget
+        # 4. one drafter pass for every drafting sequence; one tree each, at its granted budget
+        t0 = time.perf_counter()
         granted, _ = grant([self._nodes(s.budget) for s in rows], self.limits)
-        trees, draft_s = [], []
-        for seq, nodes in zip(rows, granted):
-            t0 = time.perf_counter()
-            trees.append(self._tree(seq, nodes))
-            draft_s.append(time.perf_counter() - t0)
+        drafting = [b for b, (seq, nodes) in enumerate(zip(rows, granted)) if nodes and seq.drafting]
+        candidates = {}
+        if drafting:
+            logprobs = self.drafter.draft_rows(
+                [rows[b].draft for b in drafting],
+                [torch.cat(rows[b].features, dim=1) for b in drafting],
+                torch.tensor([rows[b].output[-1] for b in drafting]),
+                torch.tensor([rows[b].length for b in drafting]),
+            )
+            for r, b in enumerate(drafting):
+                rows[b].features = []
+                top_k = 1 if rows[b].budget == "chain" else granted[b]
+                candidates[b] = Candidates.top_k(logprobs[r], top_k)
+        t1 = time.perf_counter()
+        trees = [grow_tree(seq.output[-1], candidates[b], granted[b]) if b in candidates else Tree.root_only(seq.output[-1])
+                 for b, seq in enumerate(rows)]
+        draft_s = [(t1 - t0) / len(drafting) if b in candidates else 0.0 for b in range(len(rows))]
+        tree_s = time.perf_counter() - t1
         q_len = bucket(max(t.size for t in trees))
         rows, trees, draft_s, granted = self._reserve(rows, trees, draft_s, granted, q_len)
         if not rows:
             return []
 
         # 5. verify: one forward over every tree, padded to Q rows each
-        t0 = time.perf_counter()
-        lengths = torch.tensor([s.length for s in rows], dtype=torch.int64)
-        batch = TreeBatch.of(trees, q_len)
-        meta = tree_metadata_ref(batch, lengths)
+        t2 = time.perf_counter()
         dev = self.target.device
+        batch = TreeBatch.of(trees, q_len, dev)
+        meta = tree_metadata(batch, torch.tensor([s.length for s in rows], dtype=torch.int64, device=dev))
         capture = tuple(self.drafter.target_layer_ids) if any(s.budget != 0 for s in rows) else ()
-        out = self.target(batch.tokens.to(dev), meta.positions.to(dev), unpack_bits(meta.bits, q_len).to(dev),
+        out = self.target(batch.tokens, meta.positions, TreeBits(meta.bits),
                           self.pool.batch([s.pages for s in rows], [s.length for s in rows]), capture)
-        t1 = time.perf_counter()
+        t3 = time.perf_counter()
 
         # 6. each row's choice by its own rule, the walks, the KV moves of the accepted paths
-        choices = torch.zeros(len(rows), q_len, dtype=torch.int64)
-        for b, (seq, tree) in enumerate(zip(rows, trees)):
-            after = (seq.length + tree.depths + 1).tolist()
-            choices[b, : tree.size] = choose_tokens(out.logits[b, : tree.size], seq.request.sampling, seq.seed, after)
-        walk = walk_batch(batch, choices)
+        walk = walk_batch(batch, self._choose(rows, out.logits, meta.positions))
+        paths, lengths, bonus = walk.path.cpu(), walk.length.tolist(), walk.bonus.tolist()
         src, dst = [], []
         for b, seq in enumerate(rows):
-            path = walk.path[b, : int(walk.length[b])]
+            path = paths[b, : lengths[b]]
             src.append(self.pool.slots([seq.pages], (seq.length + path)[None])[0])
             dst.append(self.pool.slots([seq.pages], (seq.length + torch.arange(len(path)))[None])[0])
         src_slots, dst_slots = torch.cat(src), torch.cat(dst)
         moved = src_slots != dst_slots
         self.pool.move(src_slots[moved], dst_slots[moved])
-        t2 = time.perf_counter()
+        t4 = time.perf_counter()
 
         for b, (seq, tree) in enumerate(zip(rows, trees)):
-            n = int(walk.length[b])
-            path = walk.path[b, :n]
+            n = lengths[b]
+            path = paths[b, :n]
             seq.length += n
             self.pool.shrink(seq.pages, seq.length + 1)
             if out.features is not None and seq.budget != 0:
                 seq.features.append(out.features[b : b + 1, path])
-            seq.output.extend(tree.tokens[path[1:]].tolist() + [int(walk.bonus[b])])
+            seq.output.extend(tree.tokens[path[1:]].tolist() + [bonus[b]])
             seq.finish_reason, seq.text = check_stop(seq.request, seq.output, self.decode)
             per_depth = tuple(torch.bincount(tree.depths)[1:].tolist())
             granted_budget = "chain" if seq.budget == "chain" and granted[b] == self._nodes("chain") else granted[b]
-            seq.rounds.append(RoundStats(tree.size, n - 1, draft_s[b], 0.0, t1 - t0, t2 - t1, per_depth,
+            seq.rounds.append(RoundStats(tree.size, n - 1, draft_s[b], tree_s, t3 - t2, t4 - t3, per_depth,
                                          budget=granted_budget))
         return rows
 
-    def _tree(self, seq: _Sequence, nodes: int) -> Tree:
-        bonus = seq.output[-1]
-        if nodes == 0 or seq.draft is None:
-            return Tree.root_only(bonus)
-        features = torch.cat(seq.features, dim=1)
-        seq.features = []
-        top_k = 1 if seq.budget == "chain" else nodes
-        proposal = seq.draft.propose(features, bonus, seq.length, top_k)
-        return grow_tree(bonus, proposal.candidates, nodes)
+    @staticmethod
+    def _choose(rows: list[_Sequence], logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[B, Q] the target's token at every node: argmax for a greedy row, else the seeded
+        draw for the position after the node (kernels.sampling's rule, batched)."""
+        choices = torch.empty(logits.shape[:2], dtype=torch.int64, device=logits.device)
+        for b, seq in enumerate(rows):
+            if is_greedy(seq.request.sampling):
+                choices[b] = logits[b].argmax(dim=-1)
+            else:
+                probs = processed_probs(logits[b], seq.request.sampling)
+                seeds = torch.tensor([seq.seed], dtype=torch.int64, device=logits.device)
+                choices[b] = sampled_choices(probs[None], seeds, positions[b : b + 1] + 1)[0]
+        return choices
 
     def _reserve(self, rows, trees, draft_s, granted, q_len):
         """Grows every row's pages to hold its verify block (positions length ... + Q - 1),
@@ -381,7 +395,7 @@ class Scheduler:
         self.preemptions += 1
         self.running.remove(seq)
         self.pool.release(seq.pages)
-        seq.length, seq.features, seq.draft = 0, [], None
+        seq.length, seq.features, seq.draft, seq.drafting = 0, [], None, False
         seq.context = list(seq.request.prompt) + seq.output[:-1]
         self.waiting.appendleft(seq)
 
@@ -398,7 +412,7 @@ class Scheduler:
     def _retire(self, seq: _Sequence) -> None:
         self.running.remove(seq)
         self.pool.release(seq.pages)
-        seq.draft = None
+        seq.draft, seq.drafting = None, False
 
     def abort_all(self) -> None:
         """Drops every sequence (after a failed step): their pages go back to the pool."""
