@@ -15,7 +15,7 @@ from .config import GenerateConfig, ModelPairConfig, SamplingParams
 from .workers.coordinator import Budget, Coordinator, Request, Result
 from .workers.drafter import DFlashDrafter
 from .workers.loading import LoadedTarget, load_target, load_tokenizer, target_directory, weights_identity
-from .workers.kv_pool import KVPool
+from .workers.kv_pool import KVStorage
 from .workers.model import ModelConfig
 from .workers.scheduler import BatchLimits, Scheduler
 
@@ -63,7 +63,7 @@ def batch_limits(config: ModelPairConfig, model) -> BatchLimits:
             budget = torch.cuda.mem_get_info(model.device)[0] // 4
         else:
             budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8
-        per_token = KVPool.bytes_per_token(model.config, model.dtype)
+        per_token = KVStorage.bytes_per_token(model.config, model.dtype)
         tokens = min(budget // per_token, config.max_num_seqs * model.config.max_position_embeddings)
         tokens = max(tokens, config.kv_page_tokens * 4)
     return BatchLimits(config.max_num_seqs, config.max_waiting, config.max_prefill_tokens, config.max_step_tokens,

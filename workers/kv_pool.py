@@ -29,21 +29,27 @@ class PoolFull(RuntimeError):
     """The pool has fewer free pages than asked for."""
 
 
-class KVPool:
-    def __init__(self, config: ModelConfig, tokens: int, page: int, dtype, device="cpu"):
+def page_slots(tables: list[list[int]], positions: torch.Tensor, page: int) -> torch.Tensor:
+    """positions [B, N] (each within its row's pages `tables[b]`) -> pool slots [B, N]."""
+    width = max(len(t) for t in tables)
+    table = torch.zeros(len(tables), max(width, 1), dtype=torch.int64)
+    for row, pages in enumerate(tables):
+        table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
+    table = table.to(positions.device)
+    return table.gather(1, positions // page) * page + positions % page
+
+
+class PageAllocator:
+    """Which pages are free and which each sequence holds (its block table): the pool's
+    bookkeeping, without its tensors. It lives with the Scheduler; the storage lives with the
+    target (in this process, or one KVStorage per tensor-parallel shard)."""
+
+    def __init__(self, tokens: int, page: int):
         if page < 1 or tokens < page:
             raise ValueError(f"a KV pool of {tokens} tokens cannot hold one page of {page}")
         self.page = page
         self.num_pages = tokens // page
-        shape = (config.num_hidden_layers, self.num_pages * page, config.num_key_value_heads, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self._free = list(range(self.num_pages - 1, -1, -1))  # pop() hands out low ids first
-
-    @staticmethod
-    def bytes_per_token(config: ModelConfig, dtype) -> int:
-        element = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
 
     @property
     def tokens(self) -> int:
@@ -74,31 +80,62 @@ class KVPool:
     def release(self, pages: list[int]) -> None:
         self.shrink(pages, 0)
 
+    def slots(self, tables: list[list[int]], positions: torch.Tensor) -> torch.Tensor:
+        """positions [B, N] (each within its row's pages) -> pool slots [B, N]."""
+        return page_slots(tables, positions, self.page)
+
+
+class KVStorage:
+    """The pool's keys and values, k, v [L, T, Hkv, D] (T = pages x page tokens); a
+    tensor-parallel shard holds the storage of its own key-value heads."""
+
+    def __init__(self, config: ModelConfig, num_pages: int, page: int, dtype, device="cpu"):
+        self.page = page
+        shape = (config.num_hidden_layers, num_pages * page, config.num_key_value_heads, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_token(config: ModelConfig, dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * element
+
+    def slots(self, tables: list[list[int]], positions: torch.Tensor) -> torch.Tensor:
+        return page_slots(tables, positions, self.page)
+
     def batch(self, tables: list[list[int]], lengths: list[int]) -> "PagedBatch":
         """The rows of one forward: row b's committed prefix is positions [0, lengths[b])."""
         return PagedBatch(self, tables, torch.tensor(lengths, dtype=torch.int64, device=self.k.device))
 
-    def slots(self, tables: list[list[int]], positions: torch.Tensor) -> torch.Tensor:
-        """positions [B, N] (each within its row's pages) -> pool slots [B, N]."""
-        width = max(len(t) for t in tables)
-        table = torch.zeros(len(tables), max(width, 1), dtype=torch.int64)
-        for row, pages in enumerate(tables):
-            table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
-        table = table.to(positions.device)
-        return table.gather(1, positions // self.page) * self.page + positions % self.page
-
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copies slots src [N] to dst [N] in every layer (gathered first, so overlaps are safe)."""
         if src.numel():
+            src, dst = src.to(self.k.device), dst.to(self.k.device)
             self.k[:, dst] = self.k[:, src]
             self.v[:, dst] = self.v[:, src]
+
+
+class KVPool(PageAllocator):
+    """An allocator and its storage together, in one process."""
+
+    bytes_per_token = staticmethod(KVStorage.bytes_per_token)
+
+    def __init__(self, config: ModelConfig, tokens: int, page: int, dtype, device="cpu"):
+        super().__init__(tokens, page)
+        self.storage = KVStorage(config, self.num_pages, page, dtype, device)
+
+    def batch(self, tables: list[list[int]], lengths: list[int]) -> "PagedBatch":
+        return self.storage.batch(tables, lengths)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.storage.move(src, dst)
 
 
 @dataclass
 class PagedBatch:
     """A forward's rows in the pool (TargetModel.forward's `cache`)."""
 
-    pool: KVPool
+    pool: KVStorage
     tables: list[list[int]]  # per row: its pages, covering lengths[b] + Q positions
     lengths: torch.Tensor  # [B] int64, committed positions per row; the block starts there
 

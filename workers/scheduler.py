@@ -19,6 +19,10 @@ Each `step()`:
 A request's tokens do not depend on the batch it ran in: the tree only decides how many tokens
 a round commits, never which (design.md, "Lossless"); prefill chunks are per sequence.
 
+The models sit behind workers.batch_backends: a BatchTarget (the model and its KV storage in
+this process, or tensor-parallel shard actors) and a BatchDrafter (in this process, or an
+actor); the step loop, the page allocator and every decision stay here.
+
 KV memory is a pool of pages (workers.kv_pool). A sequence that cannot grow its pages for a
 verify pass preempts the latest-admitted other sequence: that one's pages are freed and it
 waits, first in line, to be prefilled again over its prompt and the tokens it already emitted.
@@ -34,12 +38,13 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..kernels.batched import TreeBatch, sampled_choices, tree_metadata, walk_batch
-from ..kernels.sampling import choose_tokens, is_greedy, processed_probs
-from ..kernels.tree import Candidates, Tree, grow_tree
+from ..kernels.batched import TreeBatch, tree_metadata, walk_batch
+from ..kernels.sampling import is_greedy
+from ..kernels.tree import Tree, grow_tree
+from .batch_backends import DraftRows, TargetBatch, as_batch_drafter, as_batch_target
 from .coordinator import Budget, Request, Result, RoundStats, Update, check_budget, check_stop
-from .kv_pool import KVPool, PoolFull
-from .model import TargetModel, TreeBits
+from .kv_pool import PageAllocator, PoolFull
+from .model import TreeBits
 
 # Verify row counts Q a step may use: a budget-2^k tree (2^k + 1 rows) fills its bucket exactly.
 VERIFY_BUCKETS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1025, 2049)
@@ -96,8 +101,7 @@ class _Sequence:
     pages: list[int] = field(default_factory=list)  # block table in the KV pool
     length: int = 0  # positions of `context` in the pool (== len(context) once prefilled)
     features: list[torch.Tensor] = field(default_factory=list)  # [1, n, F] not yet given to the drafter
-    draft: object | None = None  # the drafter's one-row context cache (Proposer.new_cache)
-    drafting: bool = False  # the drafter holds this sequence's context (set once prefilled)
+    drafting: bool = False  # the drafter holds a context cache for this sequence (set once prefilled)
     rounds: list[RoundStats] = field(default_factory=list)
     sent: int = 0  # output tokens already emitted
     prefill_s: float = 0.0
@@ -111,15 +115,16 @@ class _Sequence:
 
 
 class Scheduler:
-    """Owns the running batch of one in-process target (+ optional drafter).
+    """Owns the running batch of one target (+ optional drafter): models in this process, or
+    backends (workers.batch_backends) whose work runs elsewhere.
 
     `add` and `cancel` may be called from any thread; `step` runs on one thread at a time.
     """
 
     def __init__(
         self,
-        target: TargetModel,
-        drafter=None,  # a Proposer (workers.drafter), or None: plain decoding only
+        target,  # a TargetModel, or a BatchTarget (workers.batch_backends)
+        drafter=None,  # a Proposer (workers.drafter), a BatchDrafter, or None: plain decoding only
         budget: Budget = 0,
         limits: BatchLimits = BatchLimits(),
         decode: Callable[[list[int]], str] | None = None,
@@ -129,9 +134,11 @@ class Scheduler:
                 f"max_num_seqs ({limits.max_num_seqs}) exceeds max_step_tokens ({limits.max_step_tokens}): "
                 "a step could not give every sequence one verify row"
             )
-        self.target, self.drafter, self.limits, self.decode = target, drafter, limits, decode
+        self.target, self.drafter = as_batch_target(target), as_batch_drafter(drafter)
+        self.limits, self.decode = limits, decode
         self.budget = check_budget(budget, drafter is not None)
-        self.pool = KVPool(target.config, limits.kv_cache_tokens, limits.kv_page_tokens, target.dtype, target.device)
+        self.pool = PageAllocator(limits.kv_cache_tokens, limits.kv_page_tokens)  # the storage: the target's
+        self.target.allocate(self.pool.num_pages, self.pool.page)
         self.waiting: deque[_Sequence] = deque()
         self.running: list[_Sequence] = []
         self._arrivals: deque[_Sequence] = deque()
@@ -251,12 +258,15 @@ class Scheduler:
             self._make_room(seq, end)
         except PoolFull:
             return True  # it ended ("length"): not even the whole pool holds its context
-        tokens = torch.tensor([seq.context[seq.length : end]], device=self.target.device)
-        n = tokens.shape[1]
-        positions = seq.length + torch.arange(n, device=tokens.device)[None]
+        n = end - seq.length
         capture = self._capture(seq)
-        out = self.target(tokens, positions, self.target.prefill_mask(n), self.pool.batch([seq.pages], [seq.length]),
-                          capture, logits_to_keep=1)
+        out = self.target.forward(TargetBatch(
+            tokens=torch.tensor([seq.context[seq.length : end]]),
+            positions=seq.length + torch.arange(n)[None],
+            mask=torch.ones(n, n, dtype=torch.bool).tril()[None],
+            tables=[seq.pages], lengths=[seq.length], capture=capture, logits_to_keep=1,
+            sampling=[seq.request.sampling], seeds=[seq.seed], draw_positions=torch.tensor([[end]]),
+        ))
         seq.length = end
         if out.features is not None:
             seq.features.append(out.features)
@@ -264,12 +274,12 @@ class Scheduler:
             seq.prefill_s += time.perf_counter() - t0
             return False
         if not seq.output:  # a fresh sequence: its first token; a recomputed one has its bonus
-            first = choose_tokens(out.logits[0, -1:], seq.request.sampling, seq.seed, [end])
-            seq.output.append(int(first[0]))
+            seq.output.append(int(out.choices[0, 0]))
             seq.finish_reason, seq.text = check_stop(seq.request, seq.output, self.decode)
         if capture and not seq.drafting:
             slots = len(seq.request.prompt) + seq.request.max_tokens + self.drafter.block_size + 1
-            seq.draft, seq.drafting = self.drafter.new_cache(1, slots), True
+            self.drafter.open(seq.id, slots)
+            seq.drafting = True
         seq.prefill_s += time.perf_counter() - t0
         seq.decode_started = time.perf_counter()
         return True
@@ -291,16 +301,16 @@ class Scheduler:
         drafting = [b for b, (seq, nodes) in enumerate(zip(rows, granted)) if nodes and seq.drafting]
         candidates = {}
         if drafting:
-            logprobs = self.drafter.draft_rows(
-                [rows[b].draft for b in drafting],
-                [torch.cat(rows[b].features, dim=1) for b in drafting],
-                torch.tensor([rows[b].output[-1] for b in drafting]),
-                torch.tensor([rows[b].length for b in drafting]),
-            )
-            for r, b in enumerate(drafting):
+            proposals = self.drafter.propose(DraftRows(
+                ids=[rows[b].id for b in drafting],
+                features=[torch.cat(rows[b].features, dim=1) for b in drafting],
+                bonus=[rows[b].output[-1] for b in drafting],
+                start=[rows[b].length for b in drafting],
+                top_k=[1 if rows[b].budget == "chain" else granted[b] for b in drafting],
+            ))
+            for b, proposal in zip(drafting, proposals):
                 rows[b].features = []
-                top_k = 1 if rows[b].budget == "chain" else granted[b]
-                candidates[b] = Candidates.top_k(logprobs[r], top_k)
+                candidates[b] = proposal
         t1 = time.perf_counter()
         trees = [grow_tree(seq.output[-1], candidates[b], granted[b]) if b in candidates else Tree.root_only(seq.output[-1])
                  for b, seq in enumerate(rows)]
@@ -317,12 +327,17 @@ class Scheduler:
         batch = TreeBatch.of(trees, q_len, dev)
         meta = tree_metadata(batch, torch.tensor([s.length for s in rows], dtype=torch.int64, device=dev))
         capture = tuple(self.drafter.target_layer_ids) if any(s.budget != 0 for s in rows) else ()
-        out = self.target(batch.tokens, meta.positions, TreeBits(meta.bits),
-                          self.pool.batch([s.pages for s in rows], [s.length for s in rows]), capture)
+        out = self.target.forward(TargetBatch(
+            tokens=batch.tokens, positions=meta.positions, mask=TreeBits(meta.bits),
+            tables=[s.pages for s in rows], lengths=[s.length for s in rows], capture=capture, logits_to_keep=0,
+            sampling=[s.request.sampling for s in rows], seeds=[s.seed for s in rows],
+            draw_positions=meta.positions + 1,  # each node's choice is the token after it
+        ))
         t3 = time.perf_counter()
 
-        # 6. each row's choice by its own rule, the walks, the KV moves of the accepted paths
-        walk = walk_batch(batch, self._choose(rows, out.logits, meta.positions))
+        # 6. each row's choice (made by its own rule, on the target's side), the walks, the KV
+        #    moves of the accepted paths
+        walk = walk_batch(batch, out.choices.to(dev))
         paths, lengths, bonus = walk.path.cpu(), walk.length.tolist(), walk.bonus.tolist()
         src, dst = [], []
         for b, seq in enumerate(rows):
@@ -331,7 +346,7 @@ class Scheduler:
             dst.append(self.pool.slots([seq.pages], (seq.length + torch.arange(len(path)))[None])[0])
         src_slots, dst_slots = torch.cat(src), torch.cat(dst)
         moved = src_slots != dst_slots
-        self.pool.move(src_slots[moved], dst_slots[moved])
+        self.target.move(src_slots[moved], dst_slots[moved])
         t4 = time.perf_counter()
 
         for b, (seq, tree) in enumerate(zip(rows, trees)):
@@ -348,20 +363,6 @@ class Scheduler:
             seq.rounds.append(RoundStats(tree.size, n - 1, draft_s[b], tree_s, t3 - t2, t4 - t3, per_depth,
                                          budget=granted_budget))
         return rows
-
-    @staticmethod
-    def _choose(rows: list[_Sequence], logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """[B, Q] the target's token at every node: argmax for a greedy row, else the seeded
-        draw for the position after the node (kernels.sampling's rule, batched)."""
-        choices = torch.empty(logits.shape[:2], dtype=torch.int64, device=logits.device)
-        for b, seq in enumerate(rows):
-            if is_greedy(seq.request.sampling):
-                choices[b] = logits[b].argmax(dim=-1)
-            else:
-                probs = processed_probs(logits[b], seq.request.sampling)
-                seeds = torch.tensor([seq.seed], dtype=torch.int64, device=logits.device)
-                choices[b] = sampled_choices(probs[None], seeds, positions[b : b + 1] + 1)[0]
-        return choices
 
     def _reserve(self, rows, trees, draft_s, granted, q_len):
         """Grows every row's pages to hold its verify block (positions length ... + Q - 1),
@@ -395,7 +396,8 @@ class Scheduler:
         self.preemptions += 1
         self.running.remove(seq)
         self.pool.release(seq.pages)
-        seq.length, seq.features, seq.draft, seq.drafting = 0, [], None, False
+        self._stop_drafting(seq)
+        seq.length, seq.features = 0, []
         seq.context = list(seq.request.prompt) + seq.output[:-1]
         self.waiting.appendleft(seq)
 
@@ -412,12 +414,18 @@ class Scheduler:
     def _retire(self, seq: _Sequence) -> None:
         self.running.remove(seq)
         self.pool.release(seq.pages)
-        seq.draft, seq.drafting = None, False
+        self._stop_drafting(seq)
+
+    def _stop_drafting(self, seq: _Sequence) -> None:
+        if seq.drafting:
+            self.drafter.close(seq.id)
+            seq.drafting = False
 
     def abort_all(self) -> None:
         """Drops every sequence (after a failed step): their pages go back to the pool."""
         for seq in self.running:
             self.pool.release(seq.pages)
+            self._stop_drafting(seq)
         self.running, self.waiting = [], deque()
         self._arrivals.clear()
         self._cancels.clear()

@@ -1,0 +1,176 @@
+"""The two models' side of a Scheduler step, behind two small protocols, so that one step loop
+runs over models in this process or over Ray actors (workers.distributed).
+
+- `BatchTarget`: one target forward over a step's rows (a prefill chunk, or every tree padded
+  to Q) into the paged KV storage, and every kept row's token choice, made where the logits are:
+  full-vocabulary logits never cross a process boundary (a tensor-parallel shard gathers, between
+  the shards, one (value, id) per greedy node and the logits of seeded rows only); then the
+  moves of the accepted paths' KV rows.
+- `BatchDrafter`: one drafter pass for every drafting sequence, returning each one's top-K
+  candidates per depth (never [R, D, V] log-probs); it holds each sequence's context cache, by
+  sequence id, between steps.
+
+The page allocator stays with the Scheduler (workers.kv_pool.PageAllocator): a backend stores
+keys and values where the block tables it is given say, and decides nothing about memory.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..config import GREEDY, SamplingParams
+from ..kernels.batched import sampled_choices
+from ..kernels.sampling import is_greedy, processed_probs
+from ..kernels.tree import Candidates
+from .kv_pool import KVStorage
+from .model import TargetModel, TreeBits
+from .tensor_parallel import TensorParallel, choose
+
+
+@dataclass
+class TargetBatch:
+    """One target forward of a step, as it travels to the target's process(es)."""
+
+    tokens: torch.Tensor  # [B, Q] int64
+    positions: torch.Tensor  # [B, Q] int64 absolute positions (start + depth in a tree)
+    mask: torch.Tensor | TreeBits  # [B, Q, Q] bool (a causal prefill chunk), or a tree batch's bits
+    tables: list[list[int]]  # per row: its pages, covering lengths[b] + Q positions
+    lengths: list[int]  # per row: committed positions in the pool; its block starts there
+    capture: tuple[int, ...]  # target layers whose outputs come back as features
+    logits_to_keep: int  # the last rows of each block that get a choice; 0 = every row
+    sampling: list[SamplingParams]  # per row: its choice rule
+    seeds: list[int | None]  # per row: the seed of its draws (None when greedy)
+    draw_positions: torch.Tensor  # [B, K] int64: the position the token chosen at each kept row takes
+
+
+@dataclass
+class TargetStep:
+    """What a target forward gives back."""
+
+    choices: torch.Tensor  # [B, K] int64: the target's token after each kept row, by the row's rule
+    features: torch.Tensor | None  # [B, Q, len(capture) * H] outputs of the captured layers
+    forward_s: float  # the forward and the choice, in the target's process
+
+
+class BatchTarget(Protocol):
+    device: torch.device  # where the Scheduler builds a step's tensors (and walks)
+
+    def allocate(self, num_pages: int, page: int) -> None:
+        """(Re)creates the KV storage: `num_pages` pages of `page` tokens."""
+
+    def forward(self, batch: TargetBatch) -> TargetStep: ...
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copies the KV rows of pool slots src [N] to dst [N] (every layer; overlaps are safe)."""
+
+
+@dataclass
+class DraftRows:
+    """The drafting sequences of one step, as they travel to the drafter."""
+
+    ids: list[int]  # sequence ids (whose context caches the drafter holds)
+    features: list[torch.Tensor]  # per sequence [1, n, F]: target features committed since its last draft
+    bonus: list[int]  # per sequence: its pending bonus token
+    start: list[int]  # per sequence: the bonus's position (= its context length after the features)
+    top_k: list[int]  # per sequence: candidates kept per depth
+
+
+class BatchDrafter(Protocol):
+    block_size: int  # B: B - 1 drafted depths
+    target_layer_ids: tuple[int, ...]  # target layers whose outputs the drafter reads
+
+    def open(self, seq_id: int, slots: int) -> None:
+        """A context cache of `slots` positions for a sequence that starts drafting."""
+
+    def propose(self, rows: DraftRows) -> list[Candidates]: ...
+
+    def close(self, seq_id: int) -> None:
+        """Drops the sequence's context cache (it finished, or was preempted)."""
+
+
+def choose_rows(parallel, logits: torch.Tensor, sampling: list[SamplingParams], seeds: list[int | None],
+                draw_positions: torch.Tensor) -> torch.Tensor:
+    """[B, K] the target's token at every kept row, each row by its own rule: the argmax when
+    greedy, else the seeded draw for the position the token takes (kernels.sampling's rule,
+    batched). logits [B, K, V] in one process; on a tensor-parallel shard [B, K, V_local], and
+    every shard returns the same: greedy rows gather one (value, id) per node between the
+    shards (tensor_parallel.choose), a seeded row gathers its logits.
+
+    Example: rows (greedy, seed 7), K = 2 -> row 0 is logits[0].argmax(-1); row 1 is the
+    inverse-CDF draw of processed_probs(logits[1]) at u(7, draw_positions[1, k]) for k = 0, 1.
+    """
+    b, k, _ = logits.shape
+    choices = torch.empty((b, k), dtype=torch.int64, device=logits.device)
+    greedy = [r for r in range(b) if is_greedy(sampling[r])]
+    if greedy:
+        nodes = logits[greedy].reshape(len(greedy) * k, logits.shape[-1])
+        choices[greedy] = choose(parallel, nodes, GREEDY, None, []).view(len(greedy), k).to(logits.device)
+    for r in sorted(set(range(b)) - set(greedy)):
+        full = parallel.gather_vocab(logits[r]) if isinstance(parallel, TensorParallel) else logits[r]
+        probs = processed_probs(full, sampling[r])
+        seed = torch.tensor([seeds[r]], dtype=torch.int64, device=logits.device)
+        choices[r] = sampled_choices(probs[None], seed, draw_positions[r : r + 1].to(logits.device))[0]
+    return choices
+
+
+class LocalBatchTarget:
+    """A TargetModel (the whole model, or one tensor-parallel shard of it) and its KV storage
+    in this process."""
+
+    def __init__(self, model: TargetModel):
+        self.model = model
+        self.storage: KVStorage | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    def allocate(self, num_pages: int, page: int) -> None:
+        self.storage = None  # the old one goes first
+        self.storage = KVStorage(self.model.config, num_pages, page, self.model.dtype, self.model.device)
+
+    def forward(self, batch: TargetBatch) -> TargetStep:
+        t0 = time.perf_counter()
+        dev = self.model.device
+        mask = TreeBits(batch.mask.bits.to(dev)) if isinstance(batch.mask, TreeBits) else batch.mask.to(dev)
+        out = self.model(batch.tokens.to(dev), batch.positions.to(dev), mask,
+                         self.storage.batch(batch.tables, batch.lengths), batch.capture, batch.logits_to_keep)
+        choices = choose_rows(self.model.parallel, out.logits, batch.sampling, batch.seeds, batch.draw_positions)
+        return TargetStep(choices, out.features, time.perf_counter() - t0)
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.storage.move(src, dst)
+
+
+class LocalBatchDrafter:
+    """A drafter (any workers.drafter.Proposer) in this process, with its sequences' caches."""
+
+    def __init__(self, proposer):
+        self.proposer = proposer
+        self.block_size = proposer.block_size
+        self.target_layer_ids = tuple(proposer.target_layer_ids)
+        self.caches: dict[int, object] = {}
+
+    def open(self, seq_id: int, slots: int) -> None:
+        self.caches[seq_id] = self.proposer.new_cache(1, slots)
+
+    def propose(self, rows: DraftRows) -> list[Candidates]:
+        logprobs = self.proposer.draft_rows([self.caches[i] for i in rows.ids], rows.features,
+                                            torch.tensor(rows.bonus), torch.tensor(rows.start))
+        return [Candidates.top_k(logprobs[r], k) for r, k in enumerate(rows.top_k)]
+
+    def close(self, seq_id: int) -> None:
+        self.caches.pop(seq_id, None)
+
+
+def as_batch_target(target) -> BatchTarget:
+    return LocalBatchTarget(target) if isinstance(target, TargetModel) else target
+
+
+def as_batch_drafter(drafter) -> BatchDrafter | None:
+    """A Proposer is wrapped in a LocalBatchDrafter; a BatchDrafter (or None) stays as it is."""
+    return drafter if drafter is None or hasattr(drafter, "propose") else LocalBatchDrafter(drafter)
