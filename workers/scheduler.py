@@ -145,6 +145,7 @@ class Scheduler:
         self._cancels: deque[int] = deque()
         self._next_id = 0
         self.preemptions = 0  # sequences preempted so far (their pages freed, recomputed later)
+        self.cancelled = 0  # sequences that left because their request was cancelled
 
     # --- the requests' side ---------------------------------------------------------------------
 
@@ -434,6 +435,14 @@ class Scheduler:
         for seq in list(self.running):
             if seq.id == seq_id:
                 self._retire(seq)
+                self.cancelled += 1
         for seq in list(self.waiting):
             if seq.id == seq_id:
                 self.waiting.remove(seq)
+                self.cancelled += 1
+
+    def stats(self) -> dict:
+        """The batch now: sequences running and waiting, KV pages free of all, and counts."""
+        return {"running": len(self.running), "waiting": len(self.waiting) + len(self._arrivals),
+                "free_pages": self.pool.free_pages, "pages": self.pool.num_pages,
+                "preemptions": self.preemptions, "cancelled": self.cancelled}
