@@ -4,6 +4,7 @@ request (chat template, EOS, decoding). The CLI and the Serve engine deployment 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -19,6 +20,8 @@ from .workers.kv_pool import KVStorage
 from .workers.model import ModelConfig
 from .workers.scheduler import BatchLimits, Scheduler
 
+
+logger = logging.getLogger("ddtree")
 
 SHIPPED_DRAFTER = Path(__file__).parent / "drafters" / "smollm2-135m-instruct"
 
@@ -54,17 +57,33 @@ def device(config: ModelPairConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def batch_limits(config: ModelPairConfig, model) -> BatchLimits:
+def engine_threads(config: ModelPairConfig) -> tuple[int, str]:
+    """How many intra-op threads this engine process uses, and why: `threads` when set, else
+    the CPUs Ray reserved for this actor (so replicas on one machine never oversubscribe its
+    cores: two processes with 2 OpenMP threads each on 2 cores slow a GEMM 10-30x), else the
+    cores this process may run on."""
+    if config.threads is not None:
+        return config.threads, "threads in the config"
+    import ray
+
+    if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+        return max(1, int(cpus)), f"Ray reserved {cpus:g} CPUs for this actor"
+    return len(os.sched_getaffinity(0)), "the cores this process may run on"
+
+
+def batch_limits(config: ModelPairConfig, model: ModelConfig, dtype: torch.dtype, on: torch.device) -> BatchLimits:
     """The scheduler's limits; the KV pool by default: an eighth of the available memory (CPU)
-    or a quarter of the free GPU memory, at most `max_num_seqs` full contexts."""
+    or a quarter of the free GPU memory of device `on`, at most `max_num_seqs` full contexts.
+    With tp shards each holds 1/tp of a token's keys and values."""
     tokens = config.kv_cache_tokens
     if tokens is None:
-        if model.device.type == "cuda":
-            budget = torch.cuda.mem_get_info(model.device)[0] // 4
+        if on.type == "cuda":
+            budget = torch.cuda.mem_get_info(on)[0] // 4
         else:
             budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8
-        per_token = KVStorage.bytes_per_token(model.config, model.dtype)
-        tokens = min(budget // per_token, config.max_num_seqs * model.config.max_position_embeddings)
+        per_token = max(1, KVStorage.bytes_per_token(model, dtype) // config.tp)
+        tokens = min(budget // per_token, config.max_num_seqs * model.max_position_embeddings)
         tokens = max(tokens, config.kv_page_tokens * 4)
     return BatchLimits(config.max_num_seqs, config.max_waiting, config.max_prefill_tokens, config.max_step_tokens,
                        tokens, config.kv_page_tokens)
@@ -80,6 +99,9 @@ class Engine:
     @classmethod
     def from_config(cls, config: ModelPairConfig) -> "Engine":
         dtype = getattr(torch, config.dtype)
+        threads, why = engine_threads(config)
+        torch.set_num_threads(threads)
+        logger.info("ddtree engine: %d intra-op threads (%s)", threads, why)
         # The drafter is loaded even at budget 0, so that a request may ask for another budget.
         drafter_path = config.drafter or (shipped_drafter() if config.model is None else None)
         fixed = 0 if config.budget == "auto" else config.budget
@@ -91,7 +113,9 @@ class Engine:
             threads = max(1, torch.get_num_threads() // config.tp)
             spec = WorkerSpec(str(directory), str(drafter_path) if drafter_path else None, config.block_size,
                               config.dtype, config.tp, threads)
-            engine = cls(config, target, DistributedEngine(spec, fixed, config.static_shapes))
+            model_config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+            limits = batch_limits(config, model_config, dtype, device(config))
+            engine = cls(config, target, DistributedEngine(spec, fixed, config.static_shapes, limits=limits))
         else:
             target = load_target(config.model, dtype)
             target.model.to(device(config))
@@ -104,7 +128,7 @@ class Engine:
             engine.coordinator = Coordinator(
                 target.model, drafter, fixed, static_shapes=config.static_shapes, decode=engine.decode
             )
-            engine.scheduler = Scheduler(target.model, drafter, fixed, batch_limits(config, target.model), engine.decode)
+            engine.scheduler = Scheduler(target.model, drafter, fixed, batch_limits(config, target.model.config, dtype, target.model.device), engine.decode)
         if config.budget == "auto":
             from .calibrate import calibrated_budget
 

@@ -3,7 +3,8 @@ TargetShard actors summing over gloo, in one placement group.
 
 TP=2 must give TP=1's tokens: exactly on a tiny float64 model (its vocabulary of 97 splits
 unevenly, 49 + 48 ids), and on SmolLM2-135M fp32 (3 key-value heads: 2 + 1) up to the tie rule
-(tests/ties.py), greedy and seeded, at budgets 0, chain and 16.
+(tests/ties.py), greedy and seeded, at budgets 0, chain and 16. A batch through the coordinator
+actor's Scheduler at TP=2 must give the in-process Scheduler's tokens for the same batch.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from ddtree.workers.coordinator import Coordinator, Request
 from ddtree.workers.distributed import DistributedEngine, WorkerDiedError, WorkerSpec
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.model import ModelConfig
+from ddtree.workers.scheduler import BatchLimits, Scheduler
 from ddtree.workers.tensor_parallel import ShardSpec
 
 from .conftest import hf_greedy
+from .test_batching import mixed_requests, run_schedule
 from .ties import divergence
 
 BUDGETS = [0, "chain", 16]
@@ -74,6 +77,32 @@ def test_tp2_equals_tp1_exactly_on_a_tiny_float64_model(tiny_engines, budget):
         # the in-process engine, same drafter, same seed: the same tokens again
         local = Coordinator(model, DFlashDrafter.untrained(model, block_size=8), budget).generate([seeded])[0]
         assert tp2[1].tokens == local.tokens
+
+
+def test_a_tp2_batch_gives_the_in_process_batchs_tokens(ray_cluster, tiny_checkpoint):
+    """The same arrival schedule through the coordinator actor's Scheduler (two shards, the
+    drafter in its own actor, steps driven one remote call at a time as the Serve deployment
+    drives them) and through the in-process Scheduler: the same tokens for every request. The
+    batch mixes budgets 0 / chain / 1 / 8 / 16 / 64, greedy and seeded rows, prompts of 1 to 39
+    tokens in prefill chunks of 8, and a pool of 160 tokens small enough to force preemptions."""
+    _, model, directory = tiny_checkpoint("llama", 97)
+    limits = BatchLimits(max_num_seqs=5, max_prefill_tokens=8, max_step_tokens=160, kv_cache_tokens=160, kv_page_tokens=4)
+    requests = mixed_requests(97, 9, seed=97)
+    arrivals = [0, 0, 0, 1, 2, 2, 5, 9, 14]
+    local = Scheduler(model, DFlashDrafter.untrained(model, block_size=8), 0, limits)
+    expected = run_schedule(local, requests, arrivals)
+    assert local.preemptions > 0, "the small pool forced a preemption"
+    engine = DistributedEngine(spec_for(directory, 2), limits=limits)
+    try:
+        got = run_schedule(engine.scheduler, requests, arrivals)
+        stats = ray.get(engine.actor.batch_stats.remote())
+        assert got == expected
+        assert stats["preemptions"] == local.preemptions and stats["free_pages"] == stats["pages"]
+        assert not engine.scheduler.has_work
+        # the batch API in one call: the same tokens again
+        assert [r.tokens for r in engine.generate(requests[:4])] == [r.tokens for r in local.generate(requests[:4])]
+    finally:
+        engine.shutdown()
 
 
 def test_a_killed_shard_ends_its_request_with_a_clear_error_and_the_next_one_succeeds(tiny_engines):

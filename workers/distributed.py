@@ -6,11 +6,22 @@ TargetShard actors (tensor parallelism over torch.distributed), all in one place
                                       └── TargetShardWorker × TP (actor r in bundle r),
                                           summing over gloo (CPU) or NCCL (GPU)
 
-The loop is workers.coordinator.Coordinator, unchanged: it gets backends whose sessions forward
-each call to the actors. Per round that is one drafter call (returning the top-K candidates per
-depth, not [D, V] log-probs) and one call per shard (returning the accepted path, its tokens
-and, from shard 0, its features); full-vocabulary logits never leave the shards. The time the
-calls cost beyond the workers' own compute is reported per round as `transport_s`.
+The coordinator actor runs both loops of the in-process engine, over backends whose calls go
+to the actors; the algorithm is the same code, only transport differs:
+
+- the batch (`generate`, and `add` / `cancel` / `step` for the Serve deployment through
+  `RemoteScheduler`): workers.scheduler.Scheduler over a ShardedBatchTarget and a
+  RemoteBatchDrafter. Per step that is one drafter call for every drafting sequence (returning
+  Candidates, not [R, D, V] log-probs), one forward call per shard over every sequence's tree
+  (each shard holds the KV storage of its own heads; the page allocator stays in the
+  coordinator; the choices come back, made on the shards) and one call to move the accepted
+  paths' KV rows.
+- one request at a time (`stream`, used by bench and calibrate): workers.coordinator.Coordinator
+  with per-request sessions; per round one drafter call and one call per shard (returning the
+  accepted path, its tokens and, from shard 0, its features). The time the calls cost beyond
+  the workers' own compute is reported per round as `transport_s`.
+
+Full-vocabulary logits never leave the shards.
 
 If a worker dies, the request it was serving ends with WorkerDiedError, and the next request
 runs on fresh workers (the coordinator kills and recreates all of them: a process group cannot
@@ -22,6 +33,7 @@ from __future__ import annotations
 import itertools
 import json
 import socket
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -34,16 +46,19 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from ..config import SamplingParams
-from ..kernels.tree import Tree
-from .coordinator import Budget, Coordinator, Request, Result, check_budget
+from ..kernels.tree import Candidates, Tree
+from .batch_backends import DraftRows, LocalBatchDrafter, LocalBatchTarget, TargetBatch, TargetStep
+from .coordinator import Budget, Coordinator, Request, Result, Update, check_budget
 from .drafter import DFlashConfig, DFlashDrafter
 from .loading import load_target_heads, load_target_weights, load_tokenizer
 from .model import ModelConfig
+from .scheduler import BatchLimits, Scheduler
 from .sessions import DraftSession, Proposal, Step, TargetSession
 from .tensor_parallel import ShardSpec, TensorParallel
 
 PROCESS_GROUP_TIMEOUT_S = 120  # a collective waiting longer than this for a dead peer fails
 PLACEMENT_TIMEOUT_S = 120  # how long a model instance waits for its placement group
+ARRIVALS = "arrivals"  # the CoordinatorWorker's concurrency group of `add` and `cancel` (one thread)
 
 
 class WorkerDiedError(RuntimeError):
@@ -82,6 +97,7 @@ class TargetShardWorker:
         self.device = _device(spec, rank)
         self.sessions: dict[int, TargetSession] = {}
         self.model = None
+        self.batch: LocalBatchTarget | None = None  # the Scheduler's side: this shard's KV storage
 
     def ready(self) -> bool:
         return True
@@ -118,6 +134,22 @@ class TargetShardWorker:
     def close(self, rid: int) -> None:
         self.sessions.pop(rid, None)
 
+    # the batch (workers.batch_backends.BatchTarget, this shard's part of it)
+
+    def allocate(self, num_pages: int, page: int) -> None:
+        self.batch = LocalBatchTarget(self.model)
+        self.batch.allocate(num_pages, page)
+
+    def forward(self, batch: TargetBatch) -> TargetStep:
+        step = self.batch.forward(batch)
+        step.choices = step.choices.cpu()
+        # every shard has the same features; shard 0 sends them
+        step.features = step.features.cpu() if self.rank == 0 and step.features is not None else None
+        return step
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.batch.move(src, dst)
+
     def _reply(self, step: Step) -> Step:
         if self.rank > 0:
             step.features = None  # every shard has the same features; shard 0 sends them
@@ -138,6 +170,7 @@ class DrafterWorker:
             else DFlashDrafter.untrained(heads, block_size=spec.block_size)
         )
         self.sessions: dict[int, DraftSession] = {}
+        self.rows = LocalBatchDrafter(self.drafter)  # the Scheduler's sequences' caches
 
     def ready(self) -> bool:
         return True
@@ -152,6 +185,17 @@ class DrafterWorker:
 
     def close(self, rid: int) -> None:
         self.sessions.pop(rid, None)
+
+    # the batch (workers.batch_backends.BatchDrafter)
+
+    def open_row(self, seq_id: int, slots: int) -> None:
+        self.rows.open(seq_id, slots)
+
+    def propose_rows(self, rows: DraftRows) -> list[Candidates]:
+        return self.rows.propose(rows)
+
+    def close_row(self, seq_id: int) -> None:
+        self.rows.close(seq_id)
 
 
 # --- backends: the Coordinator's view of the actors --------------------------------------------
@@ -234,21 +278,76 @@ class RemoteDrafter:
         return RemoteDraftSession(self.actor, next(self.ids), slots)
 
 
+# --- backends: the Scheduler's view of the actors ----------------------------------------------
+
+
+class ShardedBatchTarget:
+    """workers.batch_backends.BatchTarget over the TargetShard actors: each runs the same
+    forward over its own heads and KV storage, all choose the same tokens (gathered between
+    them), shard 0 returns the features. The step's tensors live on this process's CPU."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, shards: list):
+        self.shards = shards
+        self.names = [f"target shard {r}" for r in range(len(shards))]
+
+    def allocate(self, num_pages: int, page: int) -> None:
+        _get([s.allocate.remote(num_pages, page) for s in self.shards], self.names)
+
+    def forward(self, batch: TargetBatch) -> TargetStep:
+        sent = ray.put(batch)  # serialized once for all shards
+        steps = _get([s.forward.remote(sent) for s in self.shards], self.names)
+        if any(not torch.equal(s.choices, steps[0].choices) for s in steps):
+            raise RuntimeError(f"target shards disagree: {[s.choices.tolist() for s in steps]}")
+        step = steps[0]
+        step.forward_s = max(s.forward_s for s in steps)  # the call waited for the slowest
+        return step
+
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        if src.numel():
+            _get([s.move.remote(src, dst) for s in self.shards], self.names)
+
+
+class RemoteBatchDrafter:
+    """workers.batch_backends.BatchDrafter over the Drafter actor. Opening and closing a
+    sequence's cache are sent without waiting: an actor runs one caller's calls in order."""
+
+    def __init__(self, actor, block_size: int, target_layer_ids: tuple[int, ...]):
+        self.actor, self.block_size, self.target_layer_ids = actor, block_size, target_layer_ids
+
+    def open(self, seq_id: int, slots: int) -> None:
+        self.actor.open_row.remote(seq_id, slots)
+
+    def propose(self, rows: DraftRows) -> list[Candidates]:
+        return _get([self.actor.propose_rows.remote(rows)], ["drafter"])[0]
+
+    def close(self, seq_id: int) -> None:
+        self.actor.close_row.remote(seq_id)
+
+
 # --- the coordinator actor ------------------------------------------------------------------
 
 
 class CoordinatorWorker:
     """Owns the drafter and shard actors of one model instance (inside its placement group) and
-    runs the Coordinator's loop over them."""
+    runs over them the Scheduler's step loop (the batch) and the Coordinator's (one request).
 
-    def __init__(self, spec: WorkerSpec, budget: Budget, static_shapes: bool, group: PlacementGroup, gpu: bool):
+    `add` and `cancel` run in their own concurrency group (ARRIVALS), so that a request joins
+    or leaves while a step runs, as the Scheduler allows; everything else runs one call at a time."""
+
+    def __init__(self, spec: WorkerSpec, budget: Budget, static_shapes: bool, group: PlacementGroup, gpu: bool,
+                 limits: BatchLimits = BatchLimits()):
         self.spec, self.budget, self.static_shapes, self.group = spec, budget, static_shapes, group
+        self.limits = limits
         self.gpu = gpu  # the placement group holds a GPU per shard (this actor itself has none)
         directory = Path(spec.target_dir)
         has_tokenizer = any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
         self.tokenizer = load_tokenizer(directory) if has_tokenizer else None  # None: no stop strings
         self.workers: list = []
         self.coordinator: Coordinator | None = None
+        self.scheduler: Scheduler | None = None  # made at the batch's first request (its KV pool then)
+        self._starting = threading.Lock()  # `add` (the arrivals' thread) and `step` may both start it
 
     def _start_workers(self) -> None:
         # With a plan's devices, workers pick their GPU by index: Ray must not narrow
@@ -286,11 +385,28 @@ class CoordinatorWorker:
             self.static_shapes,
             decode=self.decode if self.tokenizer is not None else None,
         )
+        self.drafter_shape = (block_size, layer_ids)
 
     def _stop_workers(self) -> None:
         for w in self.workers:
             ray.kill(w, no_restart=True)
-        self.workers, self.coordinator = [], None
+        self.workers, self.coordinator, self.scheduler = [], None, None
+
+    def _batch(self) -> Scheduler:
+        """The Scheduler, made (and the workers started) on first use."""
+        with self._starting:
+            if self.coordinator is None:
+                self._start_workers()
+            if self.scheduler is None:
+                drafter, *shards = self.workers
+                self.scheduler = Scheduler(
+                    ShardedBatchTarget(shards),
+                    RemoteBatchDrafter(drafter, *self.drafter_shape),
+                    self.budget,
+                    self.limits,
+                    decode=self.decode if self.tokenizer is not None else None,
+                )
+            return self.scheduler
 
     def block_size(self) -> int:
         """The drafter's block size (read from its checkpoint without starting the workers)."""
@@ -310,9 +426,49 @@ class CoordinatorWorker:
         self.budget = budget
         if self.coordinator is not None:
             self.coordinator.budget = self.coordinator.check_budget(budget)
+        if self.scheduler is not None:
+            self.scheduler.budget = self.scheduler.check_budget(budget)
 
     def generate(self, requests: list[Request]) -> list[Result]:
-        return [update.result for r in requests for update in self.stream(r) if update.result is not None]
+        """`requests` as one batch through the Scheduler; results in request order."""
+        return self._on_workers(lambda: self._batch().generate(requests))
+
+    # the batch, one step per call (RemoteScheduler, for the Serve engine deployment)
+
+    def add(self, request: Request) -> int:
+        return self._batch().add(request)
+
+    def cancel(self, seq_id: int) -> None:
+        if self.scheduler is not None:
+            self.scheduler.cancel(seq_id)
+
+    def step(self) -> tuple[list[tuple[int, Update]], bool]:
+        """One step of the batch: (sequence id, update) for every sequence that emitted or
+        finished, and whether work is left."""
+        if self.scheduler is None:
+            return [], False
+        updates = self._on_workers(self.scheduler.step)
+        return updates, self.scheduler.has_work
+
+    def abort_all(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.abort_all()
+
+    def batch_stats(self) -> dict:
+        """The batch now: sequences running and waiting, KV pages free of all, preemptions."""
+        s = self.scheduler
+        if s is None:
+            return {"running": 0, "waiting": 0, "free_pages": self.limits.kv_cache_tokens // self.limits.kv_page_tokens,
+                    "pages": self.limits.kv_cache_tokens // self.limits.kv_page_tokens, "preemptions": 0}
+        return {"running": len(s.running), "waiting": len(s.waiting), "free_pages": s.pool.free_pages,
+                "pages": s.pool.num_pages, "preemptions": s.preemptions}
+
+    def _on_workers(self, call):
+        try:
+            return call()
+        except WorkerDiedError:
+            self._stop_workers()  # the batch ends; the next request starts on fresh workers
+            raise
 
     def stream(self, request: Request):
         """The Coordinator's updates for one request (a Ray streaming generator when remote)."""
@@ -329,9 +485,11 @@ class CoordinatorWorker:
 class DistributedEngine:
     """Driver-side handle of one model instance on the Ray cluster (started locally if none is
     running): its placement group and its CoordinatorWorker. It answers like the in-process
-    Coordinator (generate, stream, budget, check_budget, verify_len)."""
+    Coordinator (generate, stream, budget, check_budget, verify_len); `scheduler` is the batch's
+    step API (RemoteScheduler)."""
 
-    def __init__(self, spec: WorkerSpec, budget: Budget = 0, static_shapes: bool = True, bundles: list[dict] | None = None):
+    def __init__(self, spec: WorkerSpec, budget: Budget = 0, static_shapes: bool = True, bundles: list[dict] | None = None,
+                 limits: BatchLimits = BatchLimits()):
         if not ray.is_initialized():
             ray.init(include_dashboard=False)
         self.spec = spec
@@ -349,13 +507,15 @@ class DistributedEngine:
             ) from None
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=0)
         self.actor = (
-            ray.remote(CoordinatorWorker)
+            ray.remote(concurrency_groups={ARRIVALS: 1})(CoordinatorWorker)
             .options(num_cpus=0.25, scheduling_strategy=strategy)
-            .remote(spec, budget, static_shapes, self.group, gpu)
+            .remote(spec, budget, static_shapes, self.group, gpu, limits)
         )
         self.block_size = ray.get(self.actor.block_size.remote())
+        self.scheduler = RemoteScheduler(self.actor)
 
     def generate(self, requests: list[Request]) -> list[Result]:
+        """The requests as one batch (the Scheduler in the coordinator actor)."""
         return ray.get(self.actor.generate.remote(requests))
 
     def stream(self, request: Request):
@@ -381,6 +541,42 @@ class DistributedEngine:
     def shutdown(self) -> None:
         ray.kill(self.actor)
         remove_placement_group(self.group)
+
+
+class RemoteScheduler:
+    """The coordinator actor's Scheduler as serve's BatchDriver drives one: `add` and `cancel`
+    may be called from any thread (they reach the actor while a step runs), `step` from one.
+    Each call is one actor call; `has_work` is what the last step or call left."""
+
+    def __init__(self, actor):
+        self.actor = actor
+        self._has_work = False
+
+    def add(self, request: Request) -> int:
+        """ValueError for a request that can never run, QueueFull when the queue is full (the
+        actor's exception, re-raised as an instance of its type)."""
+        seq_id = ray.get(self.actor.add.options(concurrency_group=ARRIVALS).remote(request))
+        self._has_work = True
+        return seq_id
+
+    def cancel(self, seq_id: int) -> None:
+        ray.get(self.actor.cancel.options(concurrency_group=ARRIVALS).remote(seq_id))
+        self._has_work = True  # the next step drops it
+
+    @property
+    def has_work(self) -> bool:
+        return self._has_work
+
+    def step(self) -> list[tuple[int, Update]]:
+        updates, self._has_work = ray.get(self.actor.step.remote())
+        return updates
+
+    def abort_all(self) -> None:
+        ray.get(self.actor.abort_all.remote())
+        self._has_work = False
+
+    def generate(self, requests: list[Request]) -> list[Result]:
+        return ray.get(self.actor.generate.remote(requests))
 
 
 def cpu_bundles(tp: int, gpu: bool = False) -> list[dict]:
