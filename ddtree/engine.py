@@ -94,7 +94,7 @@ class Engine:
     config: ModelPairConfig
     target: LoadedTarget  # its model is None when the target lives in TargetShard actors (tp > 1)
     coordinator: Coordinator  # or a DistributedEngine (same generate / stream / budget)
-    scheduler: Scheduler | None = None  # the batched step loop (in-process targets)
+    scheduler: Scheduler | None = None  # the batched step loop (tp > 1: a RemoteScheduler, the same API)
 
     @classmethod
     def from_config(cls, config: ModelPairConfig) -> "Engine":
@@ -115,7 +115,8 @@ class Engine:
                               config.dtype, config.tp, threads)
             model_config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
             limits = batch_limits(config, model_config, dtype, device(config))
-            engine = cls(config, target, DistributedEngine(spec, fixed, config.static_shapes, limits=limits))
+            distributed = DistributedEngine(spec, fixed, config.static_shapes, limits=limits)
+            engine = cls(config, target, distributed, distributed.scheduler)
         else:
             target = load_target(config.model, dtype)
             target.model.to(device(config))

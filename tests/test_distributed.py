@@ -95,10 +95,10 @@ def test_a_tp2_batch_gives_the_in_process_batchs_tokens(ray_cluster, tiny_checkp
     engine = DistributedEngine(spec_for(directory, 2), limits=limits)
     try:
         got = run_schedule(engine.scheduler, requests, arrivals)
-        stats = ray.get(engine.actor.batch_stats.remote())
+        stats = engine.scheduler.stats()
         assert got == expected
         assert stats["preemptions"] == local.preemptions and stats["free_pages"] == stats["pages"]
-        assert not engine.scheduler.has_work
+        assert not engine.scheduler.has_work and engine.scheduler.running == []
         # the batch API in one call: the same tokens again
         assert [r.tokens for r in engine.generate(requests[:4])] == [r.tokens for r in local.generate(requests[:4])]
     finally:

@@ -422,6 +422,9 @@ class CoordinatorWorker:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def get_budget(self) -> Budget:
+        return self.budget
+
     def set_budget(self, budget: Budget) -> None:
         self.budget = budget
         if self.coordinator is not None:
@@ -442,26 +445,21 @@ class CoordinatorWorker:
         if self.scheduler is not None:
             self.scheduler.cancel(seq_id)
 
-    def step(self) -> tuple[list[tuple[int, Update]], bool]:
-        """One step of the batch: (sequence id, update) for every sequence that emitted or
-        finished, and whether work is left."""
+    def step(self) -> "BatchStep":
+        """One step of the batch, and the batch after it."""
         if self.scheduler is None:
-            return [], False
+            return BatchStep([], False, [], [], {})
         updates = self._on_workers(self.scheduler.step)
-        return updates, self.scheduler.has_work
+        s = self.scheduler
+        return BatchStep(updates, s.has_work, [q.id for q in s.running], [q.id for q in s.waiting], s.stats())
 
     def abort_all(self) -> None:
         if self.scheduler is not None:
             self.scheduler.abort_all()
 
-    def batch_stats(self) -> dict:
-        """The batch now: sequences running and waiting, KV pages free of all, preemptions."""
-        s = self.scheduler
-        if s is None:
-            return {"running": 0, "waiting": 0, "free_pages": self.limits.kv_cache_tokens // self.limits.kv_page_tokens,
-                    "pages": self.limits.kv_cache_tokens // self.limits.kv_page_tokens, "preemptions": 0}
-        return {"running": len(s.running), "waiting": len(s.waiting), "free_pages": s.pool.free_pages,
-                "pages": s.pool.num_pages, "preemptions": s.preemptions}
+    def stats(self) -> dict:
+        """Scheduler.stats() of the batch now ({} before its first request)."""
+        return self.scheduler.stats() if self.scheduler is not None else {}
 
     def _on_workers(self, call):
         try:
@@ -543,37 +541,84 @@ class DistributedEngine:
         remove_placement_group(self.group)
 
 
+@dataclass
+class BatchStep:
+    """What one remote step returns: its updates and the batch after it."""
+
+    updates: list[tuple[int, Update]]  # (sequence id, update) for every sequence that emitted or finished
+    has_work: bool  # sequences left running, waiting, arriving or to cancel
+    running: list[int]  # ids of the running sequences
+    waiting: list[int]  # ids of the waiting sequences
+    stats: dict  # Scheduler.stats()
+
+
 class RemoteScheduler:
-    """The coordinator actor's Scheduler as serve's BatchDriver drives one: `add` and `cancel`
-    may be called from any thread (they reach the actor while a step runs), `step` from one.
-    Each call is one actor call; `has_work` is what the last step or call left."""
+    """The coordinator actor's Scheduler with the Scheduler's own API (add, cancel, step,
+    has_work, abort_all, running, waiting, stats, generate), as serve's BatchDriver and the
+    load bench drive one: `add` and `cancel` may be called from any thread (they reach the actor
+    while a step runs), `step` from one. Each call is one actor call; `running`, `waiting` and
+    `stats()` are the batch as the last step left it.
+
+    has_work: the last step's answer, or True when a request arrived or was cancelled since
+    that step began (its answer may predate the arrival)."""
 
     def __init__(self, actor):
         self.actor = actor
-        self._has_work = False
+        self._last = BatchStep([], False, [], [], {})
+        self._calls = 0  # adds and cancels so far
+        self._calls_lock = threading.Lock()
+        self._calls_at_step = 0
 
     def add(self, request: Request) -> int:
         """ValueError for a request that can never run, QueueFull when the queue is full (the
         actor's exception, re-raised as an instance of its type)."""
         seq_id = ray.get(self.actor.add.options(concurrency_group=ARRIVALS).remote(request))
-        self._has_work = True
+        self._called()
         return seq_id
 
     def cancel(self, seq_id: int) -> None:
         ray.get(self.actor.cancel.options(concurrency_group=ARRIVALS).remote(seq_id))
-        self._has_work = True  # the next step drops it
+        self._called()
+
+    @property
+    def budget(self) -> Budget:
+        return ray.get(self.actor.get_budget.remote())
+
+    @budget.setter
+    def budget(self, budget: Budget) -> None:
+        ray.get(self.actor.set_budget.remote(budget))
+
+    def _called(self) -> None:
+        with self._calls_lock:
+            self._calls += 1
 
     @property
     def has_work(self) -> bool:
-        return self._has_work
+        return self._last.has_work or self._calls != self._calls_at_step
+
+    @property
+    def running(self) -> list[int]:
+        return self._last.running
+
+    @property
+    def waiting(self) -> list[int]:
+        return self._last.waiting
+
+    def stats(self) -> dict:
+        return dict(self._last.stats)
 
     def step(self) -> list[tuple[int, Update]]:
-        updates, self._has_work = ray.get(self.actor.step.remote())
-        return updates
+        with self._calls_lock:
+            calls = self._calls
+        self._last = ray.get(self.actor.step.remote())
+        self._calls_at_step = calls
+        return self._last.updates
 
     def abort_all(self) -> None:
         ray.get(self.actor.abort_all.remote())
-        self._has_work = False
+        with self._calls_lock:
+            self._calls_at_step = self._calls
+        self._last = BatchStep([], False, [], [], {})
 
     def generate(self, requests: list[Request]) -> list[Result]:
         return ray.get(self.actor.generate.remote(requests))
