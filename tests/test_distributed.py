@@ -101,6 +101,17 @@ def test_a_tp2_batch_gives_the_in_process_batchs_tokens(ray_cluster, tiny_checkp
         assert not engine.scheduler.has_work and engine.scheduler.running == []
         # the batch API in one call: the same tokens again
         assert [r.tokens for r in engine.generate(requests[:4])] == [r.tokens for r in local.generate(requests[:4])]
+        # a cancelled sequence leaves at the next step and its pages come back
+        remote = engine.scheduler
+        gone, stays = remote.add(Request([1, 2, 3], 50, budget=8)), remote.add(Request([4, 5], 5))
+        remote.step()
+        remote.cancel(gone)
+        assert remote.has_work
+        emitted = remote.step()
+        assert remote.running == [stays] and gone not in [i for i, _ in emitted]
+        while remote.has_work:
+            remote.step()
+        assert remote.stats()["free_pages"] == remote.stats()["pages"]
     finally:
         engine.shutdown()
 

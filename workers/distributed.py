@@ -14,8 +14,8 @@ to the actors; the algorithm is the same code, only transport differs:
   RemoteBatchDrafter. Per step that is one drafter call for every drafting sequence (returning
   Candidates, not [R, D, V] log-probs), one forward call per shard over every sequence's tree
   (each shard holds the KV storage of its own heads; the page allocator stays in the
-  coordinator; the choices come back, made on the shards) and one call to move the accepted
-  paths' KV rows.
+  coordinator; the choices come back, made on the shards; the previous step's KV moves of the
+  accepted paths travel with it).
 - one request at a time (`stream`, used by bench and calibrate): workers.coordinator.Coordinator
   with per-request sessions; per round one drafter call and one call per shard (returning the
   accepted path, its tokens and, from shard 0, its features). The time the calls cost beyond
@@ -140,15 +140,15 @@ class TargetShardWorker:
         self.batch = LocalBatchTarget(self.model)
         self.batch.allocate(num_pages, page)
 
-    def forward(self, batch: TargetBatch) -> TargetStep:
+    def forward(self, batch: TargetBatch, moves: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> TargetStep:
+        """`moves` (src, dst slot pairs of the previous step) are applied first."""
+        for src, dst in moves:
+            self.batch.move(src, dst)
         step = self.batch.forward(batch)
         step.choices = step.choices.cpu()
         # every shard has the same features; shard 0 sends them
         step.features = step.features.cpu() if self.rank == 0 and step.features is not None else None
         return step
-
-    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.batch.move(src, dst)
 
     def _reply(self, step: Step) -> Step:
         if self.rank > 0:
@@ -284,20 +284,26 @@ class RemoteDrafter:
 class ShardedBatchTarget:
     """workers.batch_backends.BatchTarget over the TargetShard actors: each runs the same
     forward over its own heads and KV storage, all choose the same tokens (gathered between
-    them), shard 0 returns the features. The step's tensors live on this process's CPU."""
+    them), shard 0 returns the features. The step's tensors live on this process's CPU.
+
+    A step's KV moves travel with the next forward (the shards apply them first): only a
+    forward reads the pool, so they land in time, and a step costs one call per shard."""
 
     device = torch.device("cpu")
 
     def __init__(self, shards: list):
         self.shards = shards
         self.names = [f"target shard {r}" for r in range(len(shards))]
+        self.moves: list[tuple[torch.Tensor, torch.Tensor]] = []  # not yet sent
 
     def allocate(self, num_pages: int, page: int) -> None:
+        self.moves = []
         _get([s.allocate.remote(num_pages, page) for s in self.shards], self.names)
 
     def forward(self, batch: TargetBatch) -> TargetStep:
+        moves, self.moves = self.moves, []
         sent = ray.put(batch)  # serialized once for all shards
-        steps = _get([s.forward.remote(sent) for s in self.shards], self.names)
+        steps = _get([s.forward.remote(sent, moves) for s in self.shards], self.names)
         if any(not torch.equal(s.choices, steps[0].choices) for s in steps):
             raise RuntimeError(f"target shards disagree: {[s.choices.tolist() for s in steps]}")
         step = steps[0]
@@ -306,7 +312,7 @@ class ShardedBatchTarget:
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         if src.numel():
-            _get([s.move.remote(src, dst) for s in self.shards], self.names)
+            self.moves.append((src, dst))
 
 
 class RemoteBatchDrafter:

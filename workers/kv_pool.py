@@ -7,6 +7,10 @@ back when it ends or is preempted, so memory follows what sequences really hold 
 start ... start + Q - 1 (scratch: the walk then moves the accepted path to start ... and the
 rest is overwritten by later rounds before it is read).
 
+Two halves: the PageAllocator (block tables and free pages: the Scheduler's, wherever it runs)
+and the KVStorage (the tensors: the target's, one per tensor-parallel shard holding its own
+key-value heads); KVPool is both in one process.
+
 Layout: k, v [L, T, Hkv, D] with T = pages x page tokens, token-major, so that one index op
 writes a whole batch's block and one gathers a batch's prefixes.
 
