@@ -60,6 +60,10 @@ class ModelPairConfig(BaseModel):
         "placement group of the local Ray cluster (started if none)."
     )
 
+    threads: int | None = Field(
+        None, ge=1, description="Intra-op CPU threads of the engine process; None = the cores it owns: "
+        "its Ray CPU reservation inside a Ray actor (at least 1), else the cores this process may run on."
+    )
     max_num_seqs: int = Field(16, ge=1, description="Sequences one engine runs at once (one forward per step).")
     max_waiting: int = Field(
         64, ge=0, description="Requests one engine holds waiting for a place; more are refused (HTTP 429)."
