@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -79,7 +80,42 @@ def _serve_config(args: argparse.Namespace):
     for flag in ("model", "drafter", "budget"):
         if getattr(args, flag) is not None:
             fields[flag] = getattr(args, flag)
+    keys = list(getattr(args, "api_key", None) or [])
+    keys += [k.strip() for k in os.environ.get("DDTREE_API_KEY", "").split(",") if k.strip()]
+    if keys:
+        configured = fields.get("api_key") or []
+        fields["api_key"] = ([configured] if isinstance(configured, str) else list(configured)) + keys
     return ServeConfig.model_validate(fields)
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _ray_init_options(args: argparse.Namespace) -> dict:
+    """ray.init's options for `ddtree serve`. Ray binds its metrics endpoint to the node's address
+    when that is a loopback one and to every interface otherwise; so a server whose metrics host
+    (by default, the API's host) is loopback runs its Ray node on 127.0.0.1, which keeps the
+    metrics endpoint (and Ray's own ports) on this machine."""
+    options = {"include_dashboard": False, "_metrics_export_port": args.metrics_port}
+    metrics_host = args.metrics_host or args.host
+    if metrics_host in LOOPBACK_HOSTS or metrics_host.startswith("127."):
+        options["_node_ip_address"] = "127.0.0.1"
+    return options
+
+
+def _drain(app_name: str, grace_s: float) -> None:
+    """Refuse new generation requests (503) and wait up to `grace_s` for those in flight."""
+    import time
+
+    from ray import serve
+
+    ingress = serve.get_app_handle(app_name)
+    deadline = time.monotonic() + grace_s
+    left = ingress.drain.remote().result()
+    while left and time.monotonic() < deadline:
+        print(f"ddtree serve: draining, {left} requests in flight", file=sys.stderr, flush=True)
+        time.sleep(0.5)
+        left = ingress.in_flight.remote().result()
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -89,27 +125,36 @@ def _serve(args: argparse.Namespace) -> int:
         for e in err.errors():
             print(f"ddtree serve: {'.'.join(map(str, e['loc']))}: {e['msg']}", file=sys.stderr)
         return 2
-    import time
+    import signal
+    import threading
 
     import ray
     from ray import serve
 
     from .serve.app import build_app
 
-    ray.init(include_dashboard=False, _metrics_export_port=args.metrics_port)
+    options = _ray_init_options(args)
+    ray.init(**options)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(config), name="ddtree", route_prefix="/")
+    metrics_host = options.get("_node_ip_address", "0.0.0.0")
     print(
         f"ddtree serves {config.served_name} (budget {config.budget}, per request: \"speculation\": {{\"budget\": N}}) on http://{args.host}:{args.port}/v1 ; "
-        f"metrics on http://127.0.0.1:{args.metrics_port}/metrics ; Ctrl-C stops",
+        f"metrics on http://{metrics_host}:{args.metrics_port}/metrics ; "
+        f"{'API keys required; ' if config.api_key else ''}Ctrl-C or SIGTERM stops (draining for up to "
+        f"{config.graceful_shutdown_timeout_s:g} s)",
         flush=True,
     )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        while True:
-            time.sleep(3600)
+        while not stop.wait(timeout=1.0):
+            pass
     except KeyboardInterrupt:
-        serve.shutdown()
-        ray.shutdown()
+        pass
+    _drain("ddtree", config.graceful_shutdown_timeout_s)
+    serve.shutdown()
+    ray.shutdown()
     return 0
 
 
@@ -299,6 +344,11 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--drafter", help="override the config's drafter")
     srv.add_argument("--budget", help="override the config's tree budget")
     srv.add_argument("--metrics-port", type=int, default=8080, help="Ray's Prometheus endpoint")
+    srv.add_argument("--metrics-host", help="where the metrics endpoint listens: a loopback address keeps it "
+                     "on this machine, anything else exposes it on every interface (default: --host)")
+    srv.add_argument("--api-key", action="append",
+                     help="require `Authorization: Bearer KEY` on every route but /health (repeatable; "
+                     "DDTREE_API_KEY, comma-separated, adds keys)")
     srv.set_defaults(func=_serve)
 
     bench = sub.add_parser("bench", help="ddtree at every budget against transformers, side by side")

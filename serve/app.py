@@ -16,6 +16,10 @@ from .openai_api import OpenAIIngress
 
 logger = logging.getLogger("ray.serve")
 
+# Room at the ingress beyond the generation requests it admits: /health, /v1/models and the
+# 429s themselves must reach it while it is full, or Serve would queue them silently.
+INGRESS_HEADROOM = 32
+
 
 def build_app(args: dict | ServeConfig | None = None) -> Application:
     """Serve's application builder. `args` are ServeConfig fields (from a config YAML's `args`,
@@ -24,7 +28,7 @@ def build_app(args: dict | ServeConfig | None = None) -> Application:
     scaling = config.autoscaling
     engine_options = {
         "name": "DDTreeEngine",
-        "max_ongoing_requests": config.max_ongoing_requests,
+        "max_ongoing_requests": config.engine_capacity,
         "autoscaling_config": {
             "min_replicas": scaling.min_replicas,
             "max_replicas": scaling.max_replicas,
@@ -36,8 +40,21 @@ def build_app(args: dict | ServeConfig | None = None) -> Application:
         },
         # the first replica loads (and maybe de-quantizes) the model: give it time
         "health_check_timeout_s": 120,
+        "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
     }
-    ingress_options = {"name": "OpenAIIngress", "ray_actor_options": {"num_cpus": 0}}
+    # The ingress admits what the engine replicas hold (429 past that, in OpenAI's shape); Serve's
+    # own limits on the ingress sit above it, so they only catch what the ingress cannot answer in
+    # time, and then loudly (429 + Retry-After) instead of in an unbounded silent queue.
+    ingress_options = {
+        "name": "OpenAIIngress",
+        "ray_actor_options": {"num_cpus": 0},
+        "max_ongoing_requests": config.max_inflight_requests + INGRESS_HEADROOM,
+        # the proxy's router holds a burst here while it assigns it to the ingress: room for a
+        # whole admission's worth arriving at once (64 streams in one burst overflowed 32)
+        "max_queued_requests": config.max_inflight_requests + INGRESS_HEADROOM,
+        "backpressure_config": {"status_code": 429, "retry_after_s": config.retry_after_s},
+        "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
+    }
     logger.info("ddtree app: %s; engine %s; ingress %s", config.model_dump(), engine_options, ingress_options)
     engine = serve.deployment(EngineServer).options(**engine_options).bind(config.model_dump())
     return OpenAIIngress.options(**ingress_options).bind(config.model_dump(), engine)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from ..config import ModelPairConfig
 
@@ -40,8 +40,9 @@ class ServeConfig(ModelPairConfig):
     default_max_tokens: int = Field(
         256, ge=1, description="Completion tokens when a request names no max_tokens (capped by the context)."
     )
-    max_ongoing_requests: int = Field(
-        8, ge=1, description="Requests one engine replica holds at once; its rounds interleave."
+    max_ongoing_requests: int | None = Field(
+        None, ge=1, description="Requests Serve hands one engine replica at once; None = what its "
+        "scheduler holds (max_num_seqs running + max_waiting waiting)."
     )
     autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
     engine_num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each engine replica.")
@@ -49,6 +50,60 @@ class ServeConfig(ModelPairConfig):
         0.0, ge=0, description="GPUs Ray reserves for each engine replica at tp: 1 (at tp > 1 the "
         "replica's placement group reserves one GPU per shard instead)."
     )
+
+    # Limits: checked before any work; a request past one gets a 4xx in OpenAI's error shape.
+    max_request_bytes: int = Field(
+        1 << 20, ge=1024, description="Largest request body, in bytes; a larger one gets 413 before "
+        "it is read whole."
+    )
+    max_messages: int = Field(256, ge=1, description="Most messages in one chat request.")
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="Most prompt tokens; None = what the model's context holds."
+    )
+    max_output_tokens: int = Field(
+        4096, ge=1, description="Largest `max_tokens` a request may ask for (the context caps it too)."
+    )
+    max_budget: int = Field(
+        64, ge=0, description="Largest per-request `speculation.budget`: a verify pass holds budget + 1 "
+        "rows (static shapes) and the drafter's top-K per depth, so this bounds a request's memory. "
+        "Raise it only with the memory to match."
+    )
+    retry_after_s: int = Field(1, ge=1, description="Retry-After, in seconds, of a 429 or 503.")
+    graceful_shutdown_timeout_s: float = Field(
+        30.0, ge=0, description="On shutdown, how long in-flight requests may run to completion; new "
+        "ones get 503 meanwhile."
+    )
+    # Security.
+    api_key: list[SecretStr] = Field(
+        default_factory=list, description="API keys: when any is set, every route but /health needs "
+        "`Authorization: Bearer <key>` with one of them (401 otherwise). One key or a list; "
+        "`DDTREE_API_KEY` (comma-separated) in the ingress's environment adds keys."
+    )
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _one_or_more_keys(cls, v):
+        keys = [v] if isinstance(v, (str, SecretStr)) else list(v or [])
+        if any(not (k.get_secret_value() if isinstance(k, SecretStr) else k) for k in keys):
+            raise ValueError("an API key is empty; leave api_key unset to serve without keys")
+        return keys
+
+    @model_validator(mode="after")
+    def _budget_within_cap(self):
+        if isinstance(self.budget, int) and self.budget > self.max_budget:
+            raise ValueError(f"budget ({self.budget}) exceeds max_budget ({self.max_budget}); raise max_budget or lower budget")
+        return self
+
+    @property
+    def engine_capacity(self) -> int:
+        """Requests one engine replica holds: running plus its bounded waiting queue."""
+        return self.max_ongoing_requests or self.max_num_seqs + self.max_waiting
+
+    @property
+    def max_inflight_requests(self) -> int:
+        """Generation requests the ingress admits at once: what the engine replicas hold; the next
+        one gets 429 with Retry-After, so no queue grows silently anywhere."""
+        return self.engine_capacity * self.autoscaling.max_replicas
 
     @property
     def served_name(self) -> str:

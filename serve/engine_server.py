@@ -28,6 +28,9 @@ from .metrics import EngineMetrics
 
 logger = logging.getLogger("ray.serve")
 
+# A temperature below this is greedy decoding, as in vLLM (its _SAMPLING_EPS): the draw's limit.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 class RequestError(ValueError):
     def __init__(self, message: str, param: str | None = None, status: int = 400):
@@ -97,6 +100,9 @@ class EngineServer:
             where = "prompt"
         if not prompt:
             raise RequestError("the prompt is empty", where)
+        cap = self.config.max_prompt_tokens
+        if cap is not None and len(prompt) > cap:
+            raise RequestError(f"the prompt has {len(prompt)} tokens; this server takes at most {cap}", where)
         context = self.engine.context_length
         room = context - len(prompt)
         if room < 1:
@@ -112,6 +118,8 @@ class EngineServer:
                 f"model's context of {context} tokens", "max_tokens",
             )
         temperature = body.get("temperature")
+        if temperature is not None and temperature < GREEDY_BELOW_TEMPERATURE:
+            temperature = 0.0  # logits / 1e-320 overflow to inf and the draw to NaN
         sampling = SamplingParams(
             temperature=1.0 if temperature is None else temperature,
             top_p=1.0 if body.get("top_p") is None else body["top_p"],
@@ -124,7 +132,10 @@ class EngineServer:
         budget = body.get("budget")
         if budget is not None:
             try:
-                budget = self.engine.coordinator.check_budget(parse_budget(budget))
+                budget = parse_budget(budget)
+                if isinstance(budget, int) and budget > self.config.max_budget:
+                    raise ValueError(f"{budget} exceeds this server's max_budget of {self.config.max_budget}")
+                budget = self.engine.coordinator.check_budget(budget)
             except ValueError as err:
                 raise RequestError(str(err), "speculation.budget") from None
         return self.engine.request(prompt, max_tokens, sampling, tuple(body.get("stop") or ()), budget)

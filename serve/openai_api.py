@@ -1,37 +1,66 @@
 """The OpenAI-compatible HTTP API: request schemas, routes and errors in OpenAI's shape.
 
-The ingress deployment checks each request against the schema (a 400 in OpenAI's error shape
-otherwise), then streams events from the engine deployment and turns them into OpenAI responses
-or SSE chunks.
+Before a request reaches a route, the `Guard` checks, in this order and without touching the
+engine: the API key (401), draining (503), admission (429 with Retry-After when the bounded
+number of generation requests is in flight), and the body size (413, refused before it is read
+whole). The route then checks the request against the schema (strict types, encodable text,
+unsupported OpenAI parameters) and the configured limits (a 400 in OpenAI's error shape
+otherwise), streams events from the engine deployment and turns them into OpenAI responses or
+SSE chunks. An engine replica that fails mid-request ends a stream with an error event and
+`[DONE]`, and a whole response with a 503; nothing is retried.
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route annotations at runtime.
+import asyncio
+import hmac
 import json
+import logging
+import os
 import time
 import uuid
-from typing import Any, AsyncIterator, Literal
+from typing import Annotated, Any, AsyncIterator, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 from ray import serve
+from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import ServeConfig
 
+logger = logging.getLogger("ray.serve")
+
+HEALTH_TIMEOUT_S = 5.0  # /health waits this long for an engine replica before saying 503
+ENGINE_DEPLOYMENT = "DDTreeEngine"
+
 # --- request schemas --------------------------------------------------------------------------
+
+
+def _encodable(text: str) -> str:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("the text cannot be encoded as UTF-8 (it holds a lone surrogate)") from None
+    return text
+
+
+# Text from the client: JSON may carry "\ud800", which decodes to a str no tokenizer (and no
+# JSON response) can encode.
+Text = Annotated[str, AfterValidator(_encodable)]
 
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
 
     def as_template_dict(self) -> dict:
         content = self.content
@@ -41,32 +70,68 @@ class Message(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class Speculation(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    budget: int | Literal["chain"] | None = Field(
-        None, description="Tree budget for this request only: 0 = plain decoding, 'chain', or N."
+    budget: Annotated[StrictInt, Field(ge=0)] | Literal["chain"] | None = Field(
+        None, description="Tree budget for this request only: 0 = plain decoding, 'chain', or N "
+        "(at most the server's max_budget)."
     )
 
 
+# OpenAI parameters that would change what a request means, and the values that leave it
+# unchanged; any other value is a 400 naming the parameter rather than being silently ignored.
+UNSUPPORTED_PARAMETERS: dict[str, tuple] = {
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "logit_bias": ({},),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
+    "best_of": (1,),
+    "echo": (False,),
+    "suffix": ("",),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+}
+
+
+def unsupported_parameter(extra: dict[str, Any]) -> str | None:
+    """The first field of `extra` (a request's unknown fields) that would change its meaning."""
+    for name, value in extra.items():
+        neutral = UNSUPPORTED_PARAMETERS.get(name)
+        if neutral is None or value is None:
+            continue
+        if not any(type(value) is type(v) and value == v for v in neutral):  # True is not 1
+            return name
+    return None
+
+
 class _Sampling(BaseModel):
-    """Fields every generation request shares. Unknown fields are ignored, as OpenAI's API does
-    with fields a model does not use; wrong types and out-of-range values are 400s."""
+    """Fields every generation request shares. Types are strict (no `true` for an integer, no
+    "yes" for a boolean); unknown fields are ignored, as OpenAI's API does with fields a model
+    does not use, except those in UNSUPPORTED_PARAMETERS; out-of-range values are 400s."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
-    min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0)
-    stop: str | list[str] | None = None
-    n: int = Field(1, ge=1)
-    stream: bool = False
+    model: Text
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: StrictFloat | None = Field(None, ge=0.0, le=2.0)
+    top_p: StrictFloat | None = Field(None, gt=0.0, le=1.0)
+    top_k: StrictInt | None = Field(None, ge=-1, le=2**31 - 1)
+    min_p: StrictFloat | None = Field(None, ge=0.0, le=1.0)
+    seed: StrictInt | None = Field(None, ge=0, le=2**63 - 1)
+    stop: Text | list[Text] | None = None
+    n: StrictInt = Field(1, ge=1)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     speculation: Speculation | None = None
 
@@ -100,7 +165,7 @@ class _Sampling(BaseModel):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra chat-template variables for this request (as vLLM accepts them), merged "
         "over the server's, e.g. {\"enable_thinking\": true}."
@@ -114,7 +179,7 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    prompt: Text | list[Text]
 
     @field_validator("prompt")
     @classmethod
@@ -134,25 +199,174 @@ class CompletionRequest(_Sampling):
 # --- errors in OpenAI's shape -----------------------------------------------------------------
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
-    kind = "invalid_request_error" if status < 500 else "internal_error"
+ERROR_TYPES = {401: "authentication_error", 429: "rate_limit_error"}
+
+
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
+    param = None if param is None else _encodable_text(param)
     return JSONResponse(
         status_code=status,
-        content={"error": {"message": message, "type": kind, "param": param, "code": code}},
+        content={"error": {"message": _encodable_text(message), "type": kind, "param": param, "code": code}},
+        headers=headers,
     )
+
+
+def _encodable_text(text: str) -> str:
+    """`text` with anything UTF-8 cannot encode (a lone surrogate in a field name the client
+    sent, which a parameter path repeats) escaped, so the error itself can be sent."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def error_event(status: int, message: str, code: str | None = None) -> dict:
+    """The payload of an SSE error event: OpenAI's error shape (the openai client raises it)."""
+    kind = "invalid_request_error" if status < 500 else "internal_error"
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def _body_path(body: Any, loc: list) -> list[str]:
+    """The part of a pydantic error location that exists in the request body: drops the union
+    member tags pydantic adds (`speculation.budget.int` -> `speculation.budget`)."""
+    path, node = [], body
+    for part in loc:
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        else:
+            if not path and isinstance(part, str):  # a missing top-level field
+                path.append(part)
+            break
+        path.append(str(part))
+    return path
 
 
 def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
     first = err.errors()[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(_body_path(err.body, loc)) or None
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
     return (f"{param}: {message}" if param else message), param
 
 
+def engine_failure(err: BaseException) -> tuple[int, str]:
+    """An engine call that raised -> (status, message). The message names no exception class:
+    a replica that stopped is a 503 the client may retry; anything else is logged, and a 500."""
+    if isinstance(err, (RayActorError, ActorUnavailableError, ReplicaUnavailableError, DeploymentUnavailableError)):
+        return 503, "the engine replica serving this request stopped; retry the request"
+    logger.error("ddtree: an engine call failed", exc_info=err)
+    return 500, "internal error; the server keeps serving"
+
+
+# --- the guard: checks before a request reaches a route ----------------------------------------
+
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+
+
+class Guard:
+    """What the ingress checks before a route sees a request: the API key, draining, admission
+    and the body size. One per ingress replica; its counters live on the replica's event loop."""
+
+    def __init__(self, config: ServeConfig):
+        keys = [k.get_secret_value() for k in config.api_key]
+        keys += [k.strip() for k in os.environ.get("DDTREE_API_KEY", "").split(",") if k.strip()]
+        self.keys = [k.encode() for k in keys]
+        self.max_body = config.max_request_bytes
+        self.max_inflight = config.max_inflight_requests
+        self.retry_after = {"Retry-After": str(config.retry_after_s)}
+        self.inflight = 0
+        self.draining = False
+
+    def authorized(self, headers: dict[bytes, bytes]) -> bool:
+        if not self.keys:
+            return True
+        scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+        matched = False
+        for key in self.keys:  # every key, constant time each: no early exit to time
+            matched |= hmac.compare_digest(token.strip(), key)
+        return scheme.lower() == b"bearer" and matched
+
+
+class GuardMiddleware:
+    """ASGI middleware running the ingress replica's Guard (found through the replica context:
+    Serve copies the FastAPI app when the class is decorated, so the app cannot hold it)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        guard: Guard = serve.get_replica_context().servable_object.guard
+        path = scope["path"].removeprefix(scope.get("root_path", "")) or "/"
+        if path == "/health":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if not guard.authorized(headers):
+            refusal = error_response(
+                401, "a valid API key is required: send `Authorization: Bearer <key>`",
+                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+            )
+            return await refusal(scope, receive, send)
+        body = await self._read_body(scope, receive, guard.max_body)
+        if body is None:
+            refusal = error_response(413, f"the request body exceeds {guard.max_body} bytes",
+                                     code="request_too_large")
+            return await refusal(scope, receive, send)
+        # Admission counts requests whose body has arrived: a client sending slowly holds no place.
+        generation = path in GENERATION_ROUTES
+        if generation and guard.draining:
+            refusal = error_response(503, "the server is shutting down; retry on another replica",
+                                     code="draining", headers=guard.retry_after)
+            return await refusal(scope, receive, send)
+        if generation and guard.inflight >= guard.max_inflight:
+            refusal = error_response(
+                429, f"the server is at capacity ({guard.max_inflight} requests in flight); retry "
+                f"after {guard.retry_after['Retry-After']} s", code="server_busy", headers=guard.retry_after,
+            )
+            return await refusal(scope, receive, send)
+        guard.inflight += generation
+        try:
+            replayed = False
+
+            async def replay():
+                nonlocal replayed
+                if replayed:
+                    return await receive()  # after the body: the disconnect, when it comes
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            await self.app(scope, replay, send)
+        finally:
+            guard.inflight -= generation
+
+    @staticmethod
+    async def _read_body(scope, receive, limit: int) -> bytes | None:
+        """The whole body, or None as soon as it is known to exceed `limit` bytes (from its
+        Content-Length, or while it arrives): the rest is never read."""
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            return None
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > limit:
+                return None
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
+
 app = FastAPI(title="ddtree", description="OpenAI-compatible API of ddtree")
+app.add_middleware(GuardMiddleware)
 
 
 @app.exception_handler(RequestValidationError)
@@ -168,7 +382,8 @@ async def _http_error(request: Request, err: StarletteHTTPException):
 
 @app.exception_handler(Exception)
 async def _unexpected(request: Request, err: Exception):
-    return error_response(500, f"internal error ({type(err).__name__}); the server keeps serving")
+    status, message = engine_failure(err)
+    return error_response(status, message)
 
 
 # --- the ingress deployment -------------------------------------------------------------------
@@ -186,11 +401,44 @@ class OpenAIIngress:
         self.model = self.config.served_name
         self.engine = engine.options(stream=True)
         self.info = engine.model_info
+        self.guard = Guard(self.config)
 
     @app.get("/health")
-    async def health(self) -> dict:
-        await self.info.remote()
+    async def health(self):
+        """200 {"status": "ok"} when an engine replica answers; 503 with "draining", "loading"
+        (no engine replica running yet, e.g. one restarting) or "unavailable" otherwise."""
+        if self.guard.draining:
+            return JSONResponse({"status": "draining"}, 503, self.guard.retry_after)
+
+        async def ping():
+            return await self.info.remote()
+
+        try:
+            await asyncio.wait_for(ping(), HEALTH_TIMEOUT_S)
+        except Exception:
+            return JSONResponse({"status": await self._engine_state()}, 503, self.guard.retry_after)
         return {"status": "ok"}
+
+    async def _engine_state(self) -> str:
+        """"loading" while the engine deployment has no running replica, else "unavailable"."""
+        try:
+            status = await asyncio.to_thread(serve.status)
+            app_name = serve.get_replica_context().app_name
+            states = status.applications[app_name].deployments[ENGINE_DEPLOYMENT].replica_states
+            running = sum(n for state, n in states.items() if str(getattr(state, "value", state)) == "RUNNING")
+        except Exception:
+            logger.exception("ddtree: could not read the engine deployment's state")
+            return "unavailable"
+        return "unavailable" if running else "loading"
+
+    async def drain(self) -> int:
+        """Stop admitting generation requests (503 from now on; /health says "draining") and
+        return how many are still in flight. `ddtree serve` calls it on SIGTERM."""
+        self.guard.draining = True
+        return self.guard.inflight
+
+    async def in_flight(self) -> int:
+        return self.guard.inflight
 
     @app.get("/v1/models")
     async def models(self) -> dict:
@@ -208,14 +456,52 @@ class OpenAIIngress:
     async def completions(self, body: CompletionRequest):
         return await self._respond(body, "completion")
 
-    async def _respond(self, body: _Sampling, kind: str):
+    def _refusal(self, body: _Sampling, kind: str) -> JSONResponse | None:
+        """A 4xx for a request the configured limits refuse, before any engine work."""
         if body.model != self.model:
             return error_response(
                 404, f"the model '{body.model}' does not exist; this server serves '{self.model}'",
                 "model", "model_not_found",
             )
+        name = unsupported_parameter(body.model_extra or {})
+        if name is not None:
+            return error_response(
+                400, f"{name}: not supported by this server (send it unset or at its default)",
+                name, "unsupported_parameter",
+            )
+        config = self.config
+        if kind == "chat" and len(body.messages) > config.max_messages:
+            return error_response(
+                400, f"messages: {len(body.messages)} messages; this server takes at most {config.max_messages}",
+                "messages",
+            )
+        for field in ("max_tokens", "max_completion_tokens"):
+            value = getattr(body, field, None)
+            if value is not None and value > config.max_output_tokens:
+                return error_response(
+                    400, f"{field}: {value} exceeds this server's limit of {config.max_output_tokens}", field
+                )
+        budget = body.speculation.budget if body.speculation else None
+        if isinstance(budget, int) and budget > config.max_budget:
+            return error_response(
+                400, f"speculation.budget: {budget} exceeds this server's max_budget of {config.max_budget}",
+                "speculation.budget",
+            )
+        return None
+
+    def _failure(self, err: BaseException) -> JSONResponse:
+        status, message = engine_failure(err)
+        return error_response(status, message, headers=self.guard.retry_after if status == 503 else None)
+
+    async def _respond(self, body: _Sampling, kind: str):
+        refusal = self._refusal(body, kind)
+        if refusal is not None:
+            return refusal
         events = self.engine.stream.remote(body.engine_body())
-        first = await events.__anext__()
+        try:
+            first = await events.__anext__()
+        except Exception as err:
+            return self._failure(err)
         if first["type"] == "error":
             return error_response(first["status"], first["message"], first["param"])
         ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
@@ -226,11 +512,18 @@ class OpenAIIngress:
                 self._sse(events, first, kind, ident, created, include_usage), media_type="text/event-stream"
             )
         text, end = [], None
-        async for event in events:
-            if event["type"] == "delta":
-                text.append(event["text"])
-            elif event["type"] == "end":
-                end = event
+        try:
+            async for event in events:
+                if event["type"] == "delta":
+                    text.append(event["text"])
+                elif event["type"] == "end":
+                    end = event
+                elif event["type"] == "error":
+                    return error_response(event["status"], event["message"], event.get("param"))
+        except Exception as err:
+            return self._failure(err)
+        if end is None:
+            return error_response(500, "internal error: the engine ended the request unfinished")
         content = "".join(text)
         choice = (
             {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None}
@@ -262,12 +555,23 @@ class OpenAIIngress:
 
         if kind == "chat":
             yield _sse(chunk(None, None, role=True))
-        async for event in events:
-            if event["type"] == "delta" and event["text"]:
-                yield _sse(chunk(event["text"], None))
-            elif event["type"] == "end":
-                yield _sse(chunk(None, event["finish_reason"]))
-                if include_usage:
-                    yield _sse({"id": ident, "object": obj, "created": created, "model": self.model,
-                                "choices": [], "usage": event["usage"]})
+        ended = False
+        try:
+            async for event in events:
+                if event["type"] == "delta" and event["text"]:
+                    yield _sse(chunk(event["text"], None))
+                elif event["type"] == "end":
+                    ended = True
+                    yield _sse(chunk(None, event["finish_reason"]))
+                    if include_usage:
+                        yield _sse({"id": ident, "object": obj, "created": created, "model": self.model,
+                                    "choices": [], "usage": event["usage"]})
+                elif event["type"] == "error":
+                    ended = True
+                    yield _sse(error_event(event["status"], event["message"]))
+        except Exception as err:  # the engine replica died mid-stream: say so, never cut the stream
+            ended = True
+            yield _sse(error_event(*engine_failure(err)))
+        if not ended:
+            yield _sse(error_event(500, "internal error: the engine ended the request unfinished"))
         yield "data: [DONE]\n\n"
