@@ -142,6 +142,29 @@ def test_a_killed_shard_ends_its_request_with_a_clear_error_and_the_next_one_suc
     assert again.tokens == hf_greedy(hf, prompt, 12)
 
 
+def test_workers_dying_in_a_single_request_stream_end_the_batch_with_an_error(tiny_engines):
+    """The coordinator actor runs both loops over the same workers. Regression guard: when they
+    died under a single-request stream (bench, calibrate), the batch's Scheduler went with them
+    and its next step answered "no work" -- a request waiting in it would never end. Now that
+    step raises WorkerDiedError, and the batch runs on fresh workers afterwards."""
+    hf, _, engines = tiny_engines
+    engine = engines[2]
+    prompt = [5, 6, 7]
+    remote = engine.scheduler
+    remote.add(Request(prompt, 8))  # waits in the batch: no step has run it yet
+    shard = ray.get(engine.actor.worker_handles.remote())["target shard 0"]
+    updates = engine.stream(Request(prompt, 400, budget=16))
+    next(updates)
+    ray.kill(shard, no_restart=True)
+    with pytest.raises(WorkerDiedError):
+        list(updates)
+    with pytest.raises(WorkerDiedError, match="single-request stream"):
+        remote.step()
+    remote.abort_all()
+    assert not remote.has_work
+    assert engine.generate([Request(prompt, 6)])[0].tokens == hf_greedy(hf, prompt, 6)
+
+
 # --- TP=2 == TP=1 on SmolLM2-135M fp32, up to the tie rule ---------------------------------------
 
 

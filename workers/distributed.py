@@ -354,6 +354,7 @@ class CoordinatorWorker:
         self.coordinator: Coordinator | None = None
         self.scheduler: Scheduler | None = None  # made at the batch's first request (its KV pool then)
         self._starting = threading.Lock()  # `add` (the arrivals' thread) and `step` may both start it
+        self.batch_lost = False  # the workers died (in a per-request stream) under a batch with work
 
     def _start_workers(self) -> None:
         # With a plan's devices, workers pick their GPU by index: Ray must not narrow
@@ -453,6 +454,9 @@ class CoordinatorWorker:
 
     def step(self) -> "BatchStep":
         """One step of the batch, and the batch after it."""
+        if self.batch_lost:
+            self.batch_lost = False
+            raise WorkerDiedError("the workers died during a single-request stream; the batch's requests ended")
         if self.scheduler is None:
             return BatchStep([], False, [], [], {})
         updates = self._on_workers(self.scheduler.step)
@@ -460,6 +464,7 @@ class CoordinatorWorker:
         return BatchStep(updates, s.has_work, [q.id for q in s.running], [q.id for q in s.waiting], s.stats())
 
     def abort_all(self) -> None:
+        self.batch_lost = False
         if self.scheduler is not None:
             self.scheduler.abort_all()
 
@@ -476,12 +481,14 @@ class CoordinatorWorker:
 
     def stream(self, request: Request):
         """The Coordinator's updates for one request (a Ray streaming generator when remote)."""
-        if self.coordinator is None:
-            self._start_workers()
+        with self._starting:
+            if self.coordinator is None:
+                self._start_workers()
         try:
             for update in self.coordinator.stream(request):
                 yield update
         except WorkerDiedError:
+            self.batch_lost = self.scheduler is not None and self.scheduler.has_work  # the next step says so
             self._stop_workers()  # the next request starts on fresh workers
             raise
 
