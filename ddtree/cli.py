@@ -135,6 +135,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     options = _ray_init_options(args)
     ray.init(**options)
+    # after ray.init, whose own SIGTERM handler would replace this one; before the app serves
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(config), name="ddtree", route_prefix="/")
     metrics_host = options.get("_node_ip_address", "0.0.0.0")
@@ -145,8 +148,6 @@ def _serve(args: argparse.Namespace) -> int:
         f"{config.graceful_shutdown_timeout_s:g} s)",
         flush=True,
     )
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         while not stop.wait(timeout=1.0):
             pass

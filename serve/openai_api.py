@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP API: request schemas, routes and errors in OpenAI's shape.
 
 Before a request reaches a route, the `Guard` checks, in this order and without touching the
-engine: the API key (401), draining (503), admission (429 with Retry-After when the bounded
-number of generation requests is in flight), and the body size (413, refused before it is read
-whole). The route then checks the request against the schema (strict types, encodable text,
+engine: the API key (401), the body size (413, refused before it is read whole), draining
+(503), and admission (429 with Retry-After when the bounded number of generation requests is
+in flight). The route then checks the request against the schema (strict types, encodable text,
 unsupported OpenAI parameters) and the configured limits (a 400 in OpenAI's error shape
 otherwise), streams events from the engine deployment and turns them into OpenAI responses or
 SSE chunks. An engine replica that fails mid-request ends a stream with an error event and
@@ -199,7 +199,7 @@ class CompletionRequest(_Sampling):
 # --- errors in OpenAI's shape -----------------------------------------------------------------
 
 
-ERROR_TYPES = {401: "authentication_error", 429: "rate_limit_error"}
+ERROR_TYPES = {429: "rate_limit_error"}  # else OpenAI's: invalid_request_error below 500
 
 
 def error_response(
@@ -259,7 +259,7 @@ def engine_failure(err: BaseException) -> tuple[int, str]:
     a replica that stopped is a 503 the client may retry; anything else is logged, and a 500."""
     if isinstance(err, (RayActorError, ActorUnavailableError, ReplicaUnavailableError, DeploymentUnavailableError)):
         return 503, "the engine replica serving this request stopped; retry the request"
-    logger.error("ddtree: an engine call failed", exc_info=err)
+    logger.error("ddtree: a request failed", exc_info=err)
     return 500, "internal error; the server keeps serving"
 
 

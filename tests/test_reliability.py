@@ -550,3 +550,79 @@ def test_drain_finishes_in_flight_requests_and_refuses_new_ones(apps):
     [streamed] = results
     assert streamed["done"] and not streamed["error"] and streamed["finish"] == "length"
     assert ingress.in_flight.remote().result() == 0
+
+
+# --- `ddtree serve` itself ---------------------------------------------------------------------
+
+
+def test_ddtree_serve_keys_metrics_binding_and_sigterm_drain(tiny_chat_model, tmp_path):
+    """`ddtree serve` as an operator runs it, on its own Ray: a key from DDTREE_API_KEY; Ray's
+    metrics endpoint on 127.0.0.1 like the API (it used to listen on every interface); SIGTERM
+    while a stream runs drains (the stream finishes, a new request gets 503) and exits 0 (it
+    used to stop only on Ctrl-C, cutting what was in flight)."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from .conftest import free_port
+
+    port, metrics_port = free_port(), free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = open(tmp_path / "serve.log", "w")
+    proc = subprocess.Popen(
+        [str(Path(sys.executable).parent / "ddtree"), "serve", "--model", str(tiny_chat_model), "--budget", "0",
+         "--port", str(port), "--metrics-port", str(metrics_port)],
+        env={**os.environ, "DDTREE_API_KEY": "sk-from-env"}, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        while "ddtree serves" not in (tmp_path / "serve.log").read_text():  # its ready line
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(1)
+        assert httpx.get(base + "/health", timeout=30).status_code == 200  # needs no key
+        auth = {"Authorization": "Bearer sk-from-env"}
+        assert_openai_error(httpx.get(base + "/v1/models", timeout=30), 401)
+        [model] = [m["id"] for m in httpx.get(base + "/v1/models", headers=auth, timeout=30).json()["data"]]
+        with socket.create_connection(("127.0.0.1", metrics_port), timeout=10):
+            pass
+        address = socket.gethostbyname(socket.gethostname())
+        if not address.startswith("127."):
+            with pytest.raises(OSError):
+                socket.create_connection((address, metrics_port), timeout=5).close()
+        body = {"model": model, "messages": CHAT, "max_tokens": 200, "temperature": 0, "stream": True,
+                "speculation": {"budget": 64}}  # the untrained drafter: slow on purpose
+        lines: list[str] = []
+        first_content = threading.Event()
+
+        def read():
+            with httpx.stream("POST", base + "/v1/chat/completions", json=body, headers=auth, timeout=120) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        first_content.set()
+            first_content.set()
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert first_content.wait(120)
+        proc.send_signal(signal.SIGTERM)
+        while True:  # new requests are refused once the drain begins
+            refused = httpx.post(base + "/v1/chat/completions", json={**body, "stream": False, "max_tokens": 1},
+                                 headers=auth, timeout=30)
+            if refused.status_code != 200:
+                break
+            time.sleep(0.2)
+        assert assert_openai_error(refused, 503)["code"] == "draining"
+        reader.join(120)
+        assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:  # a failed check: stop it the way an operator would, then harder
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
+        log.close()
+    assert lines[-1] == "data: [DONE]" and json.loads(lines[-2][6:])["choices"][0]["finish_reason"] == "length", lines[-3:]
