@@ -168,6 +168,8 @@ def _bench(args: argparse.Namespace) -> int:
     except (ValueError, ValidationError) as err:
         print(f"ddtree bench: {err}", file=sys.stderr)
         return 2
+    if args.concurrency:
+        return _load_bench(args, config, budgets)
     if 0 not in budgets:
         budgets.insert(0, 0)
     if "chain" not in budgets:
@@ -189,6 +191,47 @@ def _bench(args: argparse.Namespace) -> int:
             json.dump(json_rows(rows), f, indent=2)
     if args.plot:
         plot(rows, args.plot, f"{Path(args.prompts).name}: {len(prompts)} prompts, {args.max_tokens} tokens")
+    return 0
+
+
+def _load_bench(args: argparse.Namespace, config, budgets: list) -> int:
+    """`bench --concurrency`: every budget at every number of concurrent streams, one table."""
+    from tqdm import tqdm
+
+    from . import load_bench
+    from .bench import read_prompts
+
+    try:
+        levels = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        print("ddtree bench: --concurrency takes comma-separated integers, e.g. 1,4,16,64", file=sys.stderr)
+        return 2
+    texts = read_prompts(args.prompts, args.limit)
+    cells = [(b, c) for b in budgets for c in levels]
+    rows = []
+    if args.url:
+        for budget, c in tqdm(cells, desc="cells", unit="cell"):
+            rows.append(load_bench.run_url(args.url, args.served_model, texts, budget, c,
+                                           args.requests or max(c, len(texts)), args.max_tokens, args.api_key))
+        where = args.url
+    else:
+        from .engine import Engine
+
+        engine = Engine.from_config(config.model_copy(update={"max_num_seqs": max(levels), "max_step_tokens": max(
+            config.max_step_tokens, max(levels))}))
+        prompts = [engine.render_chat([{"role": "user", "content": t}]) for t in texts]
+        load_bench.run_inprocess(engine, prompts, 0, 1, 1, 4)  # warm-up
+        for budget, c in tqdm(cells, desc="cells", unit="cell"):
+            rows.append(load_bench.run_inprocess(engine, prompts, budget, c, args.requests or max(c, len(texts)),
+                                                 args.max_tokens))
+        where = "in process"
+    print(f"{len(texts)} prompts from {args.prompts}, {args.max_tokens} new tokens, greedy, {where}")
+    print(load_bench.markdown(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.summary() for r in rows], f, indent=2)
+    if args.plot:
+        load_bench.plot(rows, args.plot, f"{Path(args.prompts).name}: {args.max_tokens} tokens, {where}")
     return 0
 
 
@@ -363,6 +406,14 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", help="write one row per setting here")
     bench.add_argument("--plot", help="write a PNG of tau and speed-up against the budget here")
     bench.add_argument("--no-peers", action="store_true", help="skip transformers generate / prompt lookup")
+    bench.add_argument("--concurrency", help="comma-separated stream counts, e.g. 1,4,16,64: aggregate tokens/s, "
+                       "TTFT and inter-token latency per budget and concurrency (closed-loop streams)")
+    bench.add_argument("--requests", type=int, help="with --concurrency: completions per cell "
+                       "(default: max(streams, prompts))")
+    bench.add_argument("--url", help="with --concurrency: a running server (e.g. http://127.0.0.1:8000) "
+                       "instead of the in-process engine")
+    bench.add_argument("--served-model", default="SmolLM2-135M-Instruct", help="with --url: the model name to ask for")
+    bench.add_argument("--api-key", help="with --url: the server's API key")
     bench.set_defaults(func=_bench)
 
     train = sub.add_parser("train-drafter", help="self-distil a DFlash drafter (resumable stages)")

@@ -8,8 +8,11 @@ the replica renders and tokenizes them, checks them against the context, and str
     {"type": "end", "finish_reason": str, "usage": {...}}
 or a single {"type": "error", "status": 4xx, "message": str, "param": str | None}.
 
-Engine steps (the prefill, each speculative round) run on one worker thread, so concurrent
-requests interleave round by round and the event loop stays free for health checks.
+Requests join the engine's Scheduler (workers.scheduler): its steps -- every running request
+in one target forward -- run on one worker thread, fed from the event loop by `BatchDriver`, so
+the loop stays free for health checks and new arrivals. A client that goes away cancels its
+sequence, which leaves the batch at the next step and frees its memory. The distributed engine
+(tp > 1) is driven the same way: its scheduler lives in the coordinator actor.
 """
 
 from __future__ import annotations
@@ -21,8 +24,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
+import torch
+
 from ..config import SamplingParams, parse_budget
 from ..engine import Engine
+from ..workers.coordinator import Request, Update
+from ..workers.scheduler import QueueFull, Scheduler
 from .config import ServeConfig
 from .metrics import EngineMetrics
 
@@ -63,6 +70,66 @@ class TextDeltas:
         return delta
 
 
+class BatchDriver:
+    """Feeds a Scheduler from asyncio. `stream` adds a request and yields its updates; one task
+    runs `scheduler.step()` on the worker thread while there is work and hands each update to
+    its request's queue. A stream closed early (the client left) cancels its sequence."""
+
+    def __init__(self, scheduler: Scheduler, worker: ThreadPoolExecutor, on_step=None):
+        self.scheduler, self.worker, self.on_step = scheduler, worker, on_step
+        self.queues: dict[int, asyncio.Queue] = {}
+        self.wake: asyncio.Event | None = None
+        self.task: asyncio.Task | None = None
+
+    def submit(self, request: Request) -> int:
+        """Queues a request; ValueError (it cannot run) or QueueFull (no room) at once."""
+        if self.task is None or self.task.done():
+            self.wake = asyncio.Event()
+            self.task = asyncio.get_running_loop().create_task(self._run())
+        seq_id = self.scheduler.add(request)
+        self.queues[seq_id] = asyncio.Queue()
+        self.wake.set()
+        return seq_id
+
+    async def updates(self, seq_id: int) -> AsyncIterator[Update]:
+        """The submitted request's updates; closing this early cancels it."""
+        queue, finished = self.queues[seq_id], False
+        try:
+            while not finished:
+                update = await queue.get()
+                if isinstance(update, BaseException):
+                    raise update
+                finished = update.result is not None
+                yield update
+        finally:
+            self.queues.pop(seq_id, None)
+            if not finished:
+                self.scheduler.cancel(seq_id)
+                self.wake.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.scheduler.has_work:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            try:
+                updates = await loop.run_in_executor(self.worker, self.scheduler.step)
+            except Exception as err:  # a failed step fails every request in flight, not the replica
+                logger.exception("ddtree engine step failed; ending the requests in flight")
+                self.scheduler.abort_all()
+                for queue in self.queues.values():
+                    queue.put_nowait(err)
+                continue
+            if self.on_step is not None:
+                self.on_step(self.scheduler)
+            for seq_id, update in updates:
+                queue = self.queues.get(seq_id)
+                if queue is not None:
+                    queue.put_nowait(update)
+
+
 class EngineServer:
     def __init__(self, config: dict):
         self.config = ServeConfig.model_validate(config)
@@ -71,10 +138,16 @@ class EngineServer:
         self.created = int(time.time())
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddtree-engine")
         self.metrics = EngineMetrics(self.config.served_name)
+        self.driver = BatchDriver(self.engine.scheduler, self.worker, self._step_metrics)
         logger.info(
-            "ddtree engine ready: %s, budget %s, in %.1f s",
-            self.config.served_name, self.engine.budget, time.perf_counter() - started,
+            "ddtree engine ready: %s, budget %s, %d intra-op threads, up to %d sequences at once, in %.1f s",
+            self.config.served_name, self.engine.budget, torch.get_num_threads(), self.config.max_num_seqs,
+            time.perf_counter() - started,
         )
+
+    def batch_stats(self) -> dict:
+        """The scheduler's batch (Scheduler.stats)."""
+        return self.engine.scheduler.stats()
 
     def model_info(self) -> dict:
         return {
@@ -142,32 +215,43 @@ class EngineServer:
 
     # --- streaming ---------------------------------------------------------------------------
 
+    def _step_metrics(self, scheduler: Scheduler) -> None:
+        self.metrics.set_batch(running=len(scheduler.running), queued=len(scheduler.waiting))
+
+    def _updates(self, request: Request) -> AsyncIterator[Update]:
+        """The request's updates; raises ValueError or QueueFull at once if it cannot be queued."""
+        return self.driver.updates(self.driver.submit(request))
+
     async def stream(self, body: dict) -> AsyncIterator[dict]:
         arrived = time.perf_counter()
-        self.metrics.queued(+1)
-        started = False
         try:
-            try:
-                request = self.prepare(body)
-            except RequestError as err:
-                self.metrics.error(err.status)
-                yield {"type": "error", "status": err.status, "message": str(err), "param": err.param}
-                return
-            yield {"type": "start", "prompt_tokens": len(request.prompt), "seed": request.sampling.seed if request.sampling.temperature > 0 else None}
-            steps = self.engine.coordinator.stream(request)
-            deltas = TextDeltas(self.engine.decode, request.stop)
-            loop = asyncio.get_running_loop()
-            tokens: list[int] = []
-            last = arrived
-            while True:
-                update = await loop.run_in_executor(self.worker, next, steps, None)
-                if update is None:
-                    break
+            request = self.prepare(body)
+        except RequestError as err:
+            self.metrics.error(err.status)
+            yield {"type": "error", "status": err.status, "message": str(err), "param": err.param}
+            return
+        try:
+            updates = self._updates(request)
+        except QueueFull as err:
+            self.metrics.error(429)
+            yield {"type": "error", "status": 429, "message": f"the engine is at capacity ({err}); retry later",
+                   "param": None}
+            return
+        except ValueError as err:
+            self.metrics.error(400)
+            yield {"type": "error", "status": 400, "message": str(err), "param": None}
+            return
+        tokens: list[int] = []
+        deltas = TextDeltas(self.engine.decode, request.stop)
+        last, started = arrived, False
+        try:
+            # queued: the client hears back now, before the first token
+            yield {"type": "start", "prompt_tokens": len(request.prompt),
+                   "seed": request.sampling.seed if request.sampling.temperature > 0 else None}
+            async for update in updates:
                 now = time.perf_counter()
                 if not started:
                     started = True
-                    self.metrics.queued(-1)
-                    self.metrics.running(+1)
                     self.metrics.first_token(now - arrived)
                 elif update.new_tokens:
                     self.metrics.inter_token(now - last, len(update.new_tokens))
@@ -176,20 +260,14 @@ class EngineServer:
                     self.metrics.round(update.round)
                 tokens.extend(update.new_tokens)
                 self.metrics.output_tokens(len(update.new_tokens))
-                if update.result is not None:
-                    text = deltas.finish(update.result.text or "")
-                else:
-                    text = deltas.push(tokens)
+                text = deltas.finish(update.result.text or "") if update.result is not None else deltas.push(tokens)
                 if text or update.new_tokens:
                     yield {"type": "delta", "text": text, "tokens": update.new_tokens}
                 if update.result is not None:
                     yield {"type": "end", "finish_reason": update.result.finish_reason,
                            "usage": self.usage(request, update.result)}
         finally:
-            if started:
-                self.metrics.running(-1)
-            else:
-                self.metrics.queued(-1)
+            await updates.aclose()
 
     def usage(self, request, result) -> dict:
         accepted = sum(r.accepted for r in result.rounds)
@@ -201,6 +279,9 @@ class EngineServer:
             "total_tokens": len(request.prompt) + len(result.tokens),
             "speculation": {
                 "budget": budget,
+                # what the batch granted: the largest budget a round of this request ran at
+                "granted_budget": max((r.budget for r in result.rounds if r.budget is not None),
+                                      key=lambda b: -1 if b == "chain" else b, default=budget),
                 "rounds": len(result.rounds),
                 "drafted_tokens": drafted,
                 "accepted_tokens": accepted,

@@ -182,12 +182,19 @@ def test_cancel_frees_the_sequence_at_the_next_step(tiny_checkpoint):
 
 
 def test_a_full_queue_refuses_and_a_prompt_larger_than_the_pool_is_an_error(tiny_checkpoint):
+    """Places are max_num_seqs running + max_waiting waiting, whether or not a step has admitted
+    the arrivals yet (a regression: two requests arriving between steps counted as two waiting,
+    so an engine with 2 places and a queue of 1 refused its second request)."""
     _, target, _ = tiny_checkpoint("llama", 97)
-    scheduler = Scheduler(target, None, 0, BatchLimits(max_waiting=2, kv_cache_tokens=64, kv_page_tokens=4))
-    scheduler.add(Request([1], 4))
-    scheduler.add(Request([2], 4))
+    scheduler = Scheduler(target, None, 0, BatchLimits(max_num_seqs=2, max_waiting=1, kv_cache_tokens=64, kv_page_tokens=4))
+    for token in (1, 2, 3):
+        scheduler.add(Request([token], 4))
     with pytest.raises(QueueFull):
-        scheduler.add(Request([3], 4))
+        scheduler.add(Request([4], 4))
+    scheduler.step()
+    assert len(scheduler.running) == 2 and len(scheduler.waiting) == 1
+    with pytest.raises(QueueFull):
+        scheduler.add(Request([4], 4))
     with pytest.raises(ValueError, match="KV pool"):
         scheduler.add(Request(list(range(90)), 4))
 

@@ -59,7 +59,7 @@ def bucket(rows: int) -> int:
 
 
 class QueueFull(RuntimeError):
-    """The scheduler's waiting queue holds `max_waiting` requests already."""
+    """The scheduler holds `max_num_seqs` running and `max_waiting` waiting requests already."""
 
 
 @dataclass(frozen=True)
@@ -166,8 +166,10 @@ class Scheduler:
                 f"the prompt ({len(request.prompt)} tokens) does not fit this replica's KV pool "
                 f"({self.pool.tokens} tokens)"
             )
-        if len(self.waiting) + len(self._arrivals) >= self.limits.max_waiting:
-            raise QueueFull(f"{self.limits.max_waiting} requests are waiting already")
+        # arrivals not yet admitted count against the running places first, then the queue
+        held = len(self.running) + len(self.waiting) + len(self._arrivals)
+        if held >= self.limits.max_num_seqs + self.limits.max_waiting:
+            raise QueueFull(f"{self.limits.max_num_seqs} requests run and {self.limits.max_waiting} wait already")
         seed = None
         if not is_greedy(request.sampling):
             seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)

@@ -1,0 +1,185 @@
+"""`ddtree bench --concurrency 1,4,16,64`: aggregate throughput and latency under concurrent load.
+
+For each budget and each concurrency c, c closed-loop streams each send a prompt, read its
+completion to the end and send the next, until `requests` completions are done (prompts taken
+in turn). In process, the streams feed the engine's Scheduler directly (one step loop, no HTTP);
+with `url`, they are concurrent streaming requests through the official `openai` client
+against a running server. Reported per cell: aggregate output tokens/s, time to first token and
+inter-token latency (p50 / p99), tau. Cells run one after another in one process; compare
+within a table (the machine is shared and noisy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+from .config import SamplingParams
+
+
+@dataclass
+class LoadRow:
+    budget: int | str
+    concurrency: int
+    requests: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    rounds: int = 0
+    round_tokens: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tau(self) -> float | None:
+        return self.round_tokens / self.rounds if self.rounds else None
+
+    def summary(self) -> dict:
+        d = asdict(self)
+        d.pop("ttft_s"), d.pop("itl_s")
+        d.update(tokens_per_s=self.tokens_per_s, tau=self.tau,
+                 ttft_p50_s=percentile(self.ttft_s, 50), ttft_p99_s=percentile(self.ttft_s, 99),
+                 itl_p50_s=percentile(self.itl_s, 50), itl_p99_s=percentile(self.itl_s, 99))
+        return d
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
+
+
+def run_inprocess(engine, prompts: list[list[int]], budget, concurrency: int, requests: int, max_tokens: int) -> LoadRow:
+    """Closed-loop streams over the engine's Scheduler: a finished stream sends its next prompt
+    before the next step."""
+    scheduler = engine.scheduler
+    row = LoadRow(budget, concurrency)
+    todo = deque(prompts[i % len(prompts)] for i in range(requests))
+    live: dict[int, list[float]] = {}  # sequence id -> [sent at, last update at]
+    start = time.perf_counter()
+
+    def send():
+        seq_id = scheduler.add(engine.request(todo.popleft(), max_tokens, SamplingParams(), budget=budget))
+        live[seq_id] = [time.perf_counter(), None]
+
+    while todo and len(live) < concurrency:
+        send()
+    while live:
+        updates = scheduler.step()
+        now = time.perf_counter()
+        for seq_id, update in updates:
+            sent, last = live[seq_id]
+            if update.new_tokens:
+                if last is None:
+                    row.ttft_s.append(now - sent)
+                else:
+                    row.itl_s.extend([(now - last) / len(update.new_tokens)] * len(update.new_tokens))
+                live[seq_id][1] = now
+            if update.result is not None:
+                del live[seq_id]
+                result = update.result
+                row.requests += 1
+                row.tokens += len(result.tokens)
+                row.rounds += len(result.rounds)
+                row.round_tokens += len(result.tokens) - 1
+                if todo:
+                    send()
+    row.seconds = time.perf_counter() - start
+    return row
+
+
+async def _run_url(url: str, model: str, texts: list[str], budget, concurrency: int, requests: int,
+                   max_tokens: int, api_key: str | None) -> LoadRow:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "none", max_retries=0, timeout=600)
+    row = LoadRow(budget, concurrency)
+    todo = deque(texts[i % len(texts)] for i in range(requests))
+
+    async def stream_loop():
+        while todo:
+            text = todo.popleft()
+            sent = last = time.perf_counter()
+            first = True
+            stream = await client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens,
+                temperature=0, stream=True, stream_options={"include_usage": True},
+                extra_body={"speculation": {"budget": budget}},
+            )
+            async for chunk in stream:
+                now = time.perf_counter()
+                if chunk.choices and chunk.choices[0].delta.content:
+                    if first:
+                        row.ttft_s.append(now - sent)
+                        first = False
+                    else:
+                        row.itl_s.append(now - last)
+                    last = now
+                if chunk.usage is not None:
+                    row.tokens += chunk.usage.completion_tokens
+                    spec = (chunk.usage.model_extra or {}).get("speculation") or {}
+                    row.rounds += spec.get("rounds", 0)
+                    row.round_tokens += max(chunk.usage.completion_tokens - 1, 0)
+            row.requests += 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(stream_loop() for _ in range(concurrency)))
+    row.seconds = time.perf_counter() - start
+    await client.close()
+    return row
+
+
+def run_url(url: str, model: str, texts: list[str], budget, concurrency: int, requests: int, max_tokens: int,
+            api_key: str | None = None) -> LoadRow:
+    return asyncio.run(_run_url(url, model, texts, budget, concurrency, requests, max_tokens, api_key))
+
+
+def markdown(rows: list[LoadRow]) -> str:
+    def ms(v):
+        return f"{1000 * v:.0f}" if v is not None else "-"
+
+    base = {r.budget: r.tokens_per_s for r in rows if r.concurrency == min(x.concurrency for x in rows)}
+    lines = [
+        "| budget | streams | requests | tokens/s (all streams) | vs 1 stream | tau | TTFT p50 / p99 ms | inter-token p50 / p99 ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        ratio = r.tokens_per_s / base[r.budget] if base.get(r.budget) else 0.0
+        tau = f"{r.tau:.2f}" if r.tau is not None else "-"
+        lines.append(
+            f"| {r.budget} | {r.concurrency} | {r.requests} | {r.tokens_per_s:.1f} | {ratio:.2f}x | {tau} | "
+            f"{ms(percentile(r.ttft_s, 50))} / {ms(percentile(r.ttft_s, 99))} | "
+            f"{ms(percentile(r.itl_s, 50))} / {ms(percentile(r.itl_s, 99))} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[LoadRow], path, title: str) -> None:
+    """Aggregate tokens/s and inter-token p50 against the number of streams, one line per budget."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_rate, ax_itl) = plt.subplots(1, 2, figsize=(11, 4))
+    for budget in dict.fromkeys(r.budget for r in rows):
+        mine = [r for r in rows if r.budget == budget]
+        streams = [r.concurrency for r in mine]
+        ax_rate.plot(streams, [r.tokens_per_s for r in mine], "o-", label=f"budget {budget}")
+        ax_itl.plot(streams, [1000 * (percentile(r.itl_s, 50) or 0) for r in mine], "o-", label=f"budget {budget}")
+    ax_rate.set(xscale="log", xlabel="concurrent streams", ylabel="output tokens/s (all streams)", title="throughput")
+    ax_itl.set(xscale="log", xlabel="concurrent streams", ylabel="inter-token latency p50 (ms)", title="latency")
+    for ax in (ax_rate, ax_itl):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,148 @@
+"""Batching behind the real Serve app: concurrent clients share one step loop and get exactly
+what they would alone; a client that leaves frees its sequence; a full engine answers 429.
+
+Apps on the session's Serve instance (127.0.0.1), the official `openai` client and raw httpx.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+from ray import serve
+
+from ddtree.serve.app import build_app
+
+from .conftest import CHAT_SAMPLE, MODEL, make_hf_model
+
+WAIT_S = 60  # bound on polling for something that happens within a step or a metrics push
+
+
+@pytest.fixture(scope="module")
+def slow_chat_model(tiny_chat_model, tmp_path_factory):
+    """A wider random llama (hidden 512, 6 layers) with SmolLM2's tokenizer: steps slow enough
+    that a 200-token completion is still running when its client goes away."""
+    import shutil
+
+    directory = tmp_path_factory.mktemp("slow-chat")
+    hf = make_hf_model("llama", vocab=49152, layers=6, hidden_size=512, intermediate_size=1024,
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=512)
+    hf.to(torch.float32).save_pretrained(directory)
+    for f in tiny_chat_model.iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, directory / f.name)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def small_engine(server, slow_chat_model):
+    """An engine that runs at most 2 sequences and lets 1 wait."""
+    config = {"model": str(slow_chat_model), "model_name": "small-engine", "budget": 0, "block_size": 4,
+              "engine_num_cpus": 0, "max_num_seqs": 2, "max_waiting": 1}
+    serve.run(build_app(config), name="small-engine", route_prefix="/small")
+    yield {"base": server["base"] + "/small", "metrics": server["metrics"],
+           "engine": serve.get_deployment_handle("DDTreeEngine", app_name="small-engine")}
+    serve.delete("small-engine")
+
+
+def test_concurrent_clients_get_their_solo_tokens(server):
+    """Eight different requests at once (greedy, seeded, budgets 0 / chain / 16) through one
+    replica's batch give what each gives alone."""
+    client = openai.OpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    cases = [
+        dict(messages=[{"role": "user", "content": f"Question {i}: {'why ' * i}trees?"}], max_tokens=20 + i,
+             temperature=0.0 if i % 2 == 0 else 0.9, seed=i, extra_body={"speculation": {"budget": [0, "chain", 16][i % 3]}})
+        for i in range(8)
+    ]
+
+    def ask(case):
+        return client.chat.completions.create(model=MODEL, **case).choices[0].message.content
+
+    alone = [ask(case) for case in cases]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        together = list(pool.map(ask, cases))
+    assert together == alone
+
+
+def _running(metrics_url: str, model: str) -> float | None:
+    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
+        if line.startswith("ray_ddtree_requests_running{") and f'model="{model}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def wait_until_idle(engine) -> None:
+    deadline = time.time() + WAIT_S
+    while time.time() < deadline:
+        stats = engine.batch_stats.remote().result()
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            return
+        time.sleep(0.2)
+
+
+def test_a_client_that_leaves_frees_its_sequence(small_engine):
+    """A streaming client reads one chunk of a 200-token completion and hangs up: the engine
+    cancels its sequence (it leaves at the next step; its pages go back) -- the running-requests
+    metric returns to 0 and the scheduler counts a cancellation, not a completion."""
+    engine = small_engine["engine"]
+    before = engine.batch_stats.remote().result()
+    body = {"model": "small-engine", "messages": CHAT_SAMPLE, "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        with http.stream("POST", small_engine["base"] + "/v1/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: ") and "content" in line:
+                    break
+    deadline = time.time() + WAIT_S
+    while time.time() < deadline:
+        stats = engine.batch_stats.remote().result()
+        if stats["running"] == 0 and stats["cancelled"] > before["cancelled"]:
+            break
+        time.sleep(0.2)
+    assert stats["cancelled"] == before["cancelled"] + 1, stats
+    assert stats["running"] == 0 and stats["free_pages"] == stats["pages"], stats
+    deadline = time.time() + WAIT_S
+    while time.time() < deadline and _running(small_engine["metrics"], "small-engine") != 0:
+        time.sleep(1)
+    assert _running(small_engine["metrics"], "small-engine") == 0
+
+
+def test_a_full_engine_answers_429_and_keeps_serving(small_engine):
+    """Two running and one waiting fill the small engine: the next request is refused at once
+    with 429 in OpenAI's error shape, and once the load is gone the engine answers again.
+    The refusal comes from the ingress's admission or the engine's queue, whichever is reached
+    first: both say "capacity". (If a holding stream happened to finish before the extra
+    request arrived, the round is tried again, up to three times.)"""
+    url = small_engine["base"] + "/v1/chat/completions"
+    body = {"model": "small-engine", "messages": CHAT_SAMPLE, "max_tokens": 200, "temperature": 0}
+    refused, seen = None, []
+    for _ in range(3):
+        with httpx.Client(timeout=120) as http:
+            streams = [http.stream("POST", url, json={**body, "stream": True}) for _ in range(3)]
+            opened = [s.__enter__() for s in streams]
+            try:
+                extra = httpx.post(url, json={**body, "max_tokens": 4}, timeout=60)
+                seen.append(([r.status_code for r in opened], extra.status_code))
+            finally:
+                for s in streams:
+                    s.__exit__(None, None, None)
+        if extra.status_code == 429 and all(r.status_code == 200 for r in opened):
+            refused = extra
+            break
+        wait_until_idle(small_engine["engine"])
+    assert refused is not None, f"the fourth request was never refused: (holders, extra) statuses {seen}"
+    error = refused.json()["error"]
+    assert error["type"] == "rate_limit_error" and "capacity" in error["message"]
+    assert int(refused.headers["Retry-After"]) >= 1
+    deadline = time.time() + WAIT_S
+    while time.time() < deadline:
+        again = httpx.post(url, json={**body, "max_tokens": 4}, timeout=60)
+        if again.status_code == 200:
+            break
+        time.sleep(0.5)
+    assert again.status_code == 200 and json.loads(again.text)["choices"][0]["message"]["content"] is not None
