@@ -489,6 +489,12 @@ class OpenAIIngress:
             )
         return None
 
+    def _engine_error(self, event: dict) -> JSONResponse:
+        """An error event of the engine: a 429 (its queue is full) or 503 says when to retry."""
+        status = event["status"]
+        headers = self.guard.retry_after if status in (429, 503) else None
+        return error_response(status, event["message"], event.get("param"), headers=headers)
+
     def _failure(self, err: BaseException) -> JSONResponse:
         status, message = engine_failure(err)
         return error_response(status, message, headers=self.guard.retry_after if status == 503 else None)
@@ -503,7 +509,7 @@ class OpenAIIngress:
         except Exception as err:
             return self._failure(err)
         if first["type"] == "error":
-            return error_response(first["status"], first["message"], first["param"])
+            return self._engine_error(first)
         ident = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         if body.stream:
@@ -519,7 +525,7 @@ class OpenAIIngress:
                 elif event["type"] == "end":
                     end = event
                 elif event["type"] == "error":
-                    return error_response(event["status"], event["message"], event.get("param"))
+                    return self._engine_error(event)
         except Exception as err:
             return self._failure(err)
         if end is None:
