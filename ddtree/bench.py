@@ -123,7 +123,7 @@ def run_bench(
         mode, budget = setting
         start = time.perf_counter()
         if mode == "ddtree":
-            result = engine.coordinator.generate([engine.request(prompt, tokens, greedy, budget=budget)])[0]
+            result = engine.scheduler.generate([engine.request(prompt, tokens, greedy, budget=budget)])[0]
             n = len(result.tokens)
         else:
             result, n = None, hf.generate(prompt, tokens, prompt_lookup=mode == "hf-prompt-lookup")
@@ -153,14 +153,14 @@ def run_bench(
         if progress:
             progress(i + 1, len(encoded))
 
-    sizes = sorted({1} | {engine.coordinator.verify_len(b) for b in budgets if b != 0})
+    sizes = sorted({1} | {engine.verify_len(b) for b in budgets if b != 0})
     costs = verify_costs(engine, sizes)
     out = list(rows.values())
     for row in out:
         row.tokens_per_s = row.tokens / row.seconds if row.seconds else 0.0
         if row.mode == "ddtree":
             row.tau = row.round_tokens / row.rounds if row.rounds else 0.0
-            row.verify_cost_ratio = costs[engine.coordinator.verify_len(row.budget)] / costs[1] if row.budget != 0 else 1.0
+            row.verify_cost_ratio = costs[engine.verify_len(row.budget)] / costs[1] if row.budget != 0 else 1.0
     ar = next(r for r in out if r.mode == "ddtree" and r.budget == 0).tokens_per_s if 0 in budgets else None
     hf_rate = next((r.tokens_per_s for r in out if r.mode == "hf-generate"), None)
     for row in out:

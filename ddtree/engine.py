@@ -18,7 +18,7 @@ from .workers.drafter import DFlashDrafter
 from .workers.loading import LoadedTarget, load_target, load_tokenizer, target_directory, weights_identity
 from .workers.kv_pool import KVStorage
 from .workers.model import ModelConfig
-from .workers.scheduler import BatchLimits, Scheduler
+from .workers.scheduler import BatchLimits, Scheduler, bucket
 
 
 logger = logging.getLogger("ddtree")
@@ -199,4 +199,8 @@ class Engine:
             self.request(self.render_chat([{"role": "user", "content": m}]), config.max_tokens, config.sampling, tuple(config.stop))
             for m in user_messages
         ]
-        return (self.scheduler or self.coordinator).generate(requests)
+        return self.scheduler.generate(requests)
+
+    def verify_len(self, budget) -> int:
+        """Q: the verify rows a lone request at `budget` runs (its tree's rows, bucketed)."""
+        return bucket(self.coordinator.verify_len(budget)) if budget != 0 else 1

@@ -408,7 +408,7 @@ def stage_export(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_id
 def reference_continuations(target: LoadedTarget, prompts: list[str], max_tokens: int):
     """Per prompt: the chat-templated prompt ids and the target's own greedy continuation."""
     from .config import SamplingParams
-    from .workers.coordinator import Coordinator, Request
+    from .workers.coordinator import Request
 
     tok = target.tokenizer
     chat = default_chat_template_kwargs(target.directory)
@@ -417,8 +417,16 @@ def reference_continuations(target: LoadedTarget, prompts: list[str], max_tokens
                            add_special_tokens=False), max_tokens, eos_token_ids=(tok.eos_token_id,), sampling=SamplingParams())
         for p in prompts
     ]
-    plain = Coordinator(target.model)
+    plain = solo_engine(target.model, None, 0, max(len(r.prompt) for r in requests) + max_tokens)
     return requests, [plain.generate([r])[0].tokens for r in tqdm(requests, desc="reference", unit="prompt")]
+
+
+def solo_engine(model, drafter, budget, positions: int):
+    """The engine's step loop for one request at a time, with a KV pool for `positions` tokens
+    (one request alone runs exactly as it would in a batch, up to fp32 summation order)."""
+    from .workers.scheduler import BatchLimits, Scheduler
+
+    return Scheduler(model, drafter, budget, BatchLimits(max_num_seqs=1, kv_cache_tokens=positions + 2 * 129))
 
 
 @torch.no_grad()
@@ -477,13 +485,11 @@ def eval_drafter(target: LoadedTarget, drafter, prompts: list[str], max_tokens: 
     requests, outputs = reference_continuations(target, prompts, max_tokens)
     if not engine:
         return drafts_report(target, drafter, requests, outputs, budgets)
-    from .workers.coordinator import Coordinator
-
     report = drafts_report(target, drafter, requests, outputs, [])
     rounds = dict.fromkeys(map(str, budgets), 0)
     for b in budgets:
         for req, output in zip(requests, outputs):
-            result = Coordinator(target.model, drafter, b).generate([req])[0]
+            result = solo_engine(target.model, drafter, b, len(req.prompt) + max_tokens).generate([req])[0]
             assert result.tokens == output, "speculation changed a token: not lossless"
             rounds[str(b)] += len(result.rounds)
     return report | {"tau": _tau(outputs, rounds)}

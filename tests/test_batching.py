@@ -169,6 +169,28 @@ def test_a_pool_serves_more_requests_than_reservation_would(tiny_checkpoint):
         assert done[seq_id][0].tokens == first[:cut]
 
 
+def test_a_long_prompt_holds_up_a_short_request_by_one_chunk_per_step(tiny_checkpoint):
+    """Regression: prefill went oldest-first, so a short request arriving behind a 5-chunk prompt
+    waited for all 5 chunks before its first token. Now every step runs at most one chunk's worth
+    of prefill, fewest remaining tokens first: the short request's first token comes at the step
+    after it arrives, and it decodes at every step while the long prompt is still being prefilled."""
+    _, target, _ = tiny_checkpoint("llama", 97)
+    scheduler = Scheduler(target, None, 0, BatchLimits(max_prefill_tokens=8, kv_cache_tokens=256, kv_page_tokens=4))
+    long_id = scheduler.add(Request(list(range(1, 41)), 4))  # 40 tokens: 5 chunks of 8
+    scheduler.step()  # its first chunk
+    short_id = scheduler.add(Request([7, 8, 9], 8))
+    steps_with_tokens, long_first = [], None
+    for step in range(1, 12):
+        emitted = dict(scheduler.step())
+        if short_id in emitted and emitted[short_id].new_tokens:
+            steps_with_tokens.append(step)
+        if long_first is None and long_id in emitted:
+            long_first = step
+    # step 1: its prefill's token and its first round's; then a round every step to 8 tokens
+    assert steps_with_tokens == list(range(1, 8)), "tokens at every step from the next step on"
+    assert long_first == 5, "the long prompt's remaining 4 chunks ran one per step meanwhile"
+
+
 def test_cancel_frees_the_sequence_at_the_next_step(tiny_checkpoint):
     _, target, _ = tiny_checkpoint("llama", 97)
     scheduler = Scheduler(target, None, 0, BatchLimits(kv_cache_tokens=256, kv_page_tokens=4))

@@ -23,7 +23,8 @@ from typing import Protocol
 import torch
 
 from ..config import GREEDY, SamplingParams
-from ..kernels.batched import sampled_choices
+from ..kernels.batched import sampled_choices, topk_logprobs
+from ..kernels.triton_support import use_triton
 from ..kernels.sampling import is_greedy, processed_probs
 from ..kernels.tree import Candidates
 from .kv_pool import KVStorage
@@ -161,7 +162,13 @@ class LocalBatchDrafter:
     def propose(self, rows: DraftRows) -> list[Candidates]:
         logprobs = self.proposer.draft_rows([self.caches[i] for i in rows.ids], rows.features,
                                             torch.tensor(rows.bonus), torch.tensor(rows.start))
-        return [Candidates.top_k(logprobs[r], k) for r, k in enumerate(rows.top_k)]
+        if not use_triton(logprobs):
+            return [Candidates.top_k(logprobs[r], k) for r, k in enumerate(rows.top_k)]
+        out = []  # on the GPU: the top-K kernel; only [D, K] per row comes back
+        for r, k in enumerate(rows.top_k):
+            values, ids = topk_logprobs(logprobs[r].float(), min(k, logprobs.shape[-1]))  # log-softmax of log-probs: themselves
+            out.append(Candidates(values.double().tolist(), ids.tolist()))
+        return out
 
     def close(self, seq_id: int) -> None:
         self.caches.pop(seq_id, None)

@@ -241,10 +241,13 @@ class Scheduler:
             self.running.append(seq)
 
     def _prefill(self) -> list[_Sequence]:
-        """Prefill chunks, oldest sequence first, up to max_prefill_tokens tokens this step."""
+        """Prefill chunks, up to max_prefill_tokens tokens this step (at least one chunk),
+        fewest remaining prompt tokens first: a short prompt that arrives behind a long one is
+        prefilled at the next step, not after all of the long one's chunks."""
         done, used = [], 0
         chunk = self.limits.max_prefill_tokens
-        for seq in [s for s in self.running if not s.prefilled]:
+        waiting = [s for s in self.running if not s.prefilled]
+        for seq in sorted(waiting, key=lambda s: (len(s.context) - s.length, s.arrived)):
             while not seq.prefilled:
                 end = min(len(seq.context), (seq.length // chunk + 1) * chunk)
                 if used and used + end - seq.length > chunk:
