@@ -50,6 +50,7 @@ def test_bad_arguments_get_a_clear_error(args, message):
     assert message in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_generate_with_tp2_runs_the_distributed_engine(tiny_chat_model):
     """`--tp 2` starts a local Ray cluster, places a Coordinator, a Drafter and two TargetShard
     actors, and prints what the in-process engine gives (float64: exactly the same tokens)."""

@@ -27,6 +27,8 @@ from .conftest import hf_greedy
 from .test_batching import mixed_requests, run_schedule
 from .ties import divergence
 
+pytestmark = pytest.mark.slow  # a Ray cluster and Serve apps: minutes on 2 cores (make test runs it)
+
 BUDGETS = [0, "chain", 16]
 SEEDED = SamplingParams(temperature=0.8, top_p=0.95)
 

@@ -163,6 +163,7 @@ def short_load(base: str) -> None:
         httpx.post(base + "/v1/chat/completions", json={"model": "nope", "messages": CHAT_SAMPLE}, timeout=60)
 
 
+@pytest.mark.slow
 def test_every_dashboard_query_returns_series(server, prometheus):
     exprs = [grafana_to_promql(e) for e in promql_expressions()]
     empty = exprs

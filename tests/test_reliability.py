@@ -21,6 +21,8 @@ import pytest
 
 from .conftest import CHAT_SAMPLE, CONTEXT, MODEL
 
+pytestmark = pytest.mark.slow  # a Ray cluster and Serve apps: minutes on 2 cores (make test runs it)
+
 KEYS = ["sk-ddtree-test-one", "sk-ddtree-test-two"]
 AUTH = {"Authorization": f"Bearer {KEYS[1]}"}
 GUARDED_LIMITS = {

@@ -219,6 +219,7 @@ def _draw(n: int) -> dict:
     return counts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [0, 16])
 def test_unseeded_sampling_follows_the_target_distribution(small_vocab_target, budget):
     hf, target = small_vocab_target
@@ -227,6 +228,7 @@ def test_unseeded_sampling_follows_the_target_distribution(small_vocab_target, b
     assert p > 1e-3, f"chi-square p = {p:.2e}"
 
 
+@pytest.mark.slow
 def test_the_distribution_check_catches_a_small_bias(small_vocab_target, monkeypatch):
     """The same check, with draws skewed slightly towards low token ids (u -> u ** 1.1), fails:
     the chi-square test has the power to see a sampler bug of that size."""

@@ -21,6 +21,8 @@ from ddtree.serve.config import ServeConfig
 
 from .conftest import CHAT_SAMPLE, CONTEXT, MODEL
 
+pytestmark = pytest.mark.slow  # a Ray cluster and Serve apps: minutes on 2 cores (make test runs it)
+
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0, timeout=120)

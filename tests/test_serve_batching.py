@@ -20,17 +20,19 @@ from ddtree.serve.app import build_app
 
 from .conftest import CHAT_SAMPLE, MODEL, make_hf_model
 
+pytestmark = pytest.mark.slow  # a Ray cluster and Serve apps: minutes on 2 cores (make test runs it)
+
 WAIT_S = 60  # bound on polling for something that happens within a step or a metrics push
 
 
 @pytest.fixture(scope="module")
 def slow_chat_model(tiny_chat_model, tmp_path_factory):
-    """A wider random llama (hidden 512, 6 layers) with SmolLM2's tokenizer: steps slow enough
-    that a 200-token completion is still running when its client goes away."""
+    """A wider random llama (hidden 512, 10 layers) with SmolLM2's tokenizer: steps slow enough
+    that a 400-token completion is still running when its client goes away."""
     import shutil
 
     directory = tmp_path_factory.mktemp("slow-chat")
-    hf = make_hf_model("llama", vocab=49152, layers=6, hidden_size=512, intermediate_size=1024,
+    hf = make_hf_model("llama", vocab=49152, layers=10, hidden_size=512, intermediate_size=2048,
                        num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=512)
     hf.to(torch.float32).save_pretrained(directory)
     for f in tiny_chat_model.iterdir():
@@ -86,12 +88,12 @@ def wait_until_idle(engine) -> None:
 
 
 def test_a_client_that_leaves_frees_its_sequence(small_engine):
-    """A streaming client reads one chunk of a 200-token completion and hangs up: the engine
+    """A streaming client reads one chunk of a 400-token completion and hangs up: the engine
     cancels its sequence (it leaves at the next step; its pages go back) -- the running-requests
     metric returns to 0 and the scheduler counts a cancellation, not a completion."""
     engine = small_engine["engine"]
     before = engine.batch_stats.remote().result()
-    body = {"model": "small-engine", "messages": CHAT_SAMPLE, "max_tokens": 200, "temperature": 0, "stream": True}
+    body = {"model": "small-engine", "messages": CHAT_SAMPLE, "max_tokens": 400, "temperature": 0, "stream": True}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", small_engine["base"] + "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
@@ -146,3 +148,15 @@ def test_a_full_engine_answers_429_and_keeps_serving(small_engine):
             break
         time.sleep(0.5)
     assert again.status_code == 200 and json.loads(again.text)["choices"][0]["message"]["content"] is not None
+
+
+def test_load_bench_against_a_running_server(server):
+    """`ddtree bench --concurrency --url`: closed-loop streams through the official client count
+    every completion's tokens and time their first tokens (no figure is judged here)."""
+    from ddtree.load_bench import markdown, run_url
+
+    texts = ["Name a tree.", "Name a river.", "Name a mountain."]
+    row = run_url(server["base"], MODEL, texts, 0, concurrency=2, requests=3, max_tokens=6)
+    assert row.requests == 3 and row.tokens == 18, "every completion ran to max_tokens"
+    assert len(row.ttft_s) == 3 and row.tokens_per_s > 0
+    assert "| 0 | 2 | 3 |" in markdown([row])
