@@ -217,7 +217,14 @@ def plot(rows: list[Row], path: str | Path, title: str) -> None:
     ax_speed.axhline(1.0, color="black", lw=0.8)
     ax_tau.set(xlabel="tree budget (drafted nodes)", ylabel="tau (tokens per round)", title="acceptance")
     ax_speed.set(xlabel="tree budget (drafted nodes)", ylabel="tokens/s vs ddtree budget 0", title="speed-up")
-    for ax in (ax_tau, ax_speed):
+    save_figure(fig, (ax_tau, ax_speed), title, path)
+
+
+def save_figure(fig, axes, title: str, path) -> None:
+    """Grid and legend on every panel, the title, then the PNG at `path` (shared by the plots)."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title)

@@ -168,6 +168,8 @@ def plot(rows: list[LoadRow], path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .bench import save_figure
+
     fig, (ax_rate, ax_itl) = plt.subplots(1, 2, figsize=(11, 4))
     for budget in dict.fromkeys(r.budget for r in rows):
         mine = [r for r in rows if r.budget == budget]
@@ -176,10 +178,4 @@ def plot(rows: list[LoadRow], path, title: str) -> None:
         ax_itl.plot(streams, [1000 * (percentile(r.itl_s, 50) or 0) for r in mine], "o-", label=f"budget {budget}")
     ax_rate.set(xscale="log", xlabel="concurrent streams", ylabel="output tokens/s (all streams)", title="throughput")
     ax_itl.set(xscale="log", xlabel="concurrent streams", ylabel="inter-token latency p50 (ms)", title="latency")
-    for ax in (ax_rate, ax_itl):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, (ax_rate, ax_itl), title, path)

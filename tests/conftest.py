@@ -101,11 +101,15 @@ def tiny_chat_model(tmp_path_factory):
     hf.save_pretrained(directory)
     from ddtree.workers.loading import default_target_path, gguf_to_hf_dir
 
-    smol = gguf_to_hf_dir(default_target_path())
-    for f in smol.iterdir():
+    copy_tokenizer(gguf_to_hf_dir(default_target_path()), directory)
+    return directory
+
+
+def copy_tokenizer(source, directory) -> None:
+    """Every file of checkpoint `source` but its config and weights: tokenizer, chat template."""
+    for f in source.iterdir():
         if f.name not in ("config.json", "model.safetensors"):
             shutil.copy(f, directory / f.name)
-    return directory
 
 
 @pytest.fixture(scope="session")

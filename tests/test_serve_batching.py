@@ -18,7 +18,7 @@ from ray import serve
 
 from ddtree.serve.app import build_app
 
-from .conftest import CHAT_SAMPLE, MODEL, make_hf_model
+from .conftest import CHAT_SAMPLE, MODEL, copy_tokenizer, make_hf_model
 
 pytestmark = pytest.mark.slow  # a Ray cluster and Serve apps: minutes on 2 cores (make test runs it)
 
@@ -29,15 +29,11 @@ WAIT_S = 60  # bound on polling for something that happens within a step or a me
 def slow_chat_model(tiny_chat_model, tmp_path_factory):
     """A wider random llama (hidden 512, 10 layers) with SmolLM2's tokenizer: steps slow enough
     that a 400-token completion is still running when its client goes away."""
-    import shutil
-
     directory = tmp_path_factory.mktemp("slow-chat")
     hf = make_hf_model("llama", vocab=49152, layers=10, hidden_size=512, intermediate_size=2048,
                        num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=512)
     hf.to(torch.float32).save_pretrained(directory)
-    for f in tiny_chat_model.iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            shutil.copy(f, directory / f.name)
+    copy_tokenizer(tiny_chat_model, directory)
     return directory
 
 
