@@ -48,21 +48,11 @@ class EngineMetrics:
         self.errors = tagged(metrics.Counter(
             "ddtree_request_errors", description="Requests refused by the engine, by HTTP status.",
             tag_keys=("model", "status")))
-        self._running = self._queued = 0
         self.running_gauge.set(0)
         self.queued_gauge.set(0)
 
-    def running(self, delta: int) -> None:
-        self._running += delta
-        self.running_gauge.set(self._running)
-
-    def queued(self, delta: int) -> None:
-        self._queued += delta
-        self.queued_gauge.set(self._queued)
-
     def set_batch(self, running: int, queued: int) -> None:
         """The scheduler's batch after a step: sequences running, requests waiting."""
-        self._running, self._queued = running, queued
         self.running_gauge.set(running)
         self.queued_gauge.set(queued)
 

@@ -16,7 +16,7 @@ import torch
 from ddtree.config import SamplingParams
 from ddtree.workers.coordinator import Coordinator, Request
 from ddtree.workers.drafter import DFlashDrafter
-from ddtree.workers.kv_pool import KVPool
+from ddtree.workers.kv_pool import KVStorage, PageAllocator
 from ddtree.workers.model import KVCache
 from ddtree.workers.scheduler import BatchLimits, QueueFull, Scheduler, bucket, grant
 
@@ -117,7 +117,8 @@ def test_paged_attention_equals_the_dense_cache(tiny_checkpoint):
     logits: rows of different lengths, a tree mask, pages handed out out of order."""
     _, target, _ = tiny_checkpoint("llama", 97)
     torch.manual_seed(0)
-    pool = KVPool(target.config, tokens=64, page=4, dtype=torch.float64)
+    pool = PageAllocator(tokens=64, page=4)
+    storage = KVStorage(target.config, pool.num_pages, 4, torch.float64)
     pool._free.reverse()  # hand out high page ids first: tables are not contiguous
     dense = KVCache.allocate(target.config, 2, 40, torch.float64)
     tables = [[], []]
@@ -126,7 +127,7 @@ def test_paged_attention_equals_the_dense_cache(tiny_checkpoint):
         n = prompt.shape[1]
         pool.grow(tables[row], n)
         positions = torch.arange(n)[None]
-        paged = target(prompt, positions, target.prefill_mask(n), pool.batch([tables[row]], [0]))
+        paged = target(prompt, positions, target.prefill_mask(n), storage.batch([tables[row]], [0]))
         one = KVCache.allocate(target.config, 1, 40, torch.float64)
         ref = target(prompt, positions, target.prefill_mask(n), one)
         assert torch.equal(paged.logits, ref.logits)
@@ -137,7 +138,7 @@ def test_paged_attention_equals_the_dense_cache(tiny_checkpoint):
     positions = dense.lengths[:, None] + torch.tensor([0, 1, 1, 0])
     for row, prompt in enumerate(prompts):
         pool.grow(tables[row], prompt.shape[1] + 4)
-    paged = target(tokens, positions, block, pool.batch(tables, [11, 5]))
+    paged = target(tokens, positions, block, storage.batch(tables, [11, 5]))
     ref = target(tokens, positions, block.contiguous(), dense)
     torch.testing.assert_close(paged.logits, ref.logits, rtol=1e-12, atol=1e-12)
 

@@ -9,7 +9,7 @@ rest is overwritten by later rounds before it is read).
 
 Two halves: the PageAllocator (block tables and free pages: the Scheduler's, wherever it runs)
 and the KVStorage (the tensors: the target's, one per tensor-parallel shard holding its own
-key-value heads); KVPool is both in one process.
+key-value heads).
 
 Layout: k, v [L, T, Hkv, D] with T = pages x page tokens, token-major, so that one index op
 writes a whole batch's block and one gathers a batch's prefixes.
@@ -117,22 +117,6 @@ class KVStorage:
             src, dst = src.to(self.k.device), dst.to(self.k.device)
             self.k[:, dst] = self.k[:, src]
             self.v[:, dst] = self.v[:, src]
-
-
-class KVPool(PageAllocator):
-    """An allocator and its storage together, in one process."""
-
-    bytes_per_token = staticmethod(KVStorage.bytes_per_token)
-
-    def __init__(self, config: ModelConfig, tokens: int, page: int, dtype, device="cpu"):
-        super().__init__(tokens, page)
-        self.storage = KVStorage(config, self.num_pages, page, dtype, device)
-
-    def batch(self, tables: list[list[int]], lengths: list[int]) -> "PagedBatch":
-        return self.storage.batch(tables, lengths)
-
-    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        self.storage.move(src, dst)
 
 
 @dataclass

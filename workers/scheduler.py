@@ -34,7 +34,7 @@ import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
@@ -195,16 +195,6 @@ class Scheduler:
                 if update.result is not None:
                     results[seq_id] = update.result
         return [results[i] for i in ids]
-
-    def stream(self, request: Request) -> Iterator[Update]:
-        """One request alone (the single-request API over the same step loop)."""
-        seq_id = self.add(request)
-        while True:
-            for sid, update in self.step():
-                if sid == seq_id:
-                    yield update
-                    if update.result is not None:
-                        return
 
     # --- the step ---------------------------------------------------------------------------------
 
