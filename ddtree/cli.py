@@ -240,12 +240,13 @@ def _train_drafter(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .training import TrainConfig, default_layer_ids, stage_data, stage_export, stage_train
+    from .training import TrainConfig, stage_data, stage_export, stage_train
+    from .workers.drafter import default_target_layer_ids
     from .workers.loading import load_target
 
     workdir = Path(args.workdir)
     target = load_target(args.model, torch.float32)
-    layers = tuple(args.target_layers) if args.target_layers else default_layer_ids(target.model.config.num_hidden_layers)
+    layers = tuple(args.target_layers) if args.target_layers else default_target_layer_ids(target.model.config.num_hidden_layers)
     cfg = TrainConfig(block_size=args.block_size, num_layers=args.layers,
                       mask_token_id=args.mask_token_id, steps=args.steps, seed=args.seed,
                       vocab_floor=None if args.vocab_floor < 0 else args.vocab_floor)

@@ -65,10 +65,6 @@ class TrainConfig:
     vocab_floor: int | None = 8192
 
 
-def default_layer_ids(num_layers: int) -> tuple[int, ...]:
-    return tuple(sorted({1, num_layers // 2 - 1, num_layers - 3}))
-
-
 # --- stage 1: data ----------------------------------------------------------------------------
 
 

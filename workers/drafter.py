@@ -236,6 +236,16 @@ def _transformers_version() -> str | None:
         return None
 
 
+def default_target_layer_ids(num_target_layers: int) -> tuple[int, ...]:
+    """The target layers a new drafter reads when none are named: early, middle and late, never
+    the last (check_target_layer_ids). The one rule for training and for untrained drafters.
+
+    Example: 30 layers (SmolLM2-135M) -> (1, 14, 27); 8 layers -> (1, 3, 5); 2 layers -> (0,).
+    """
+    top = max(num_target_layers - 2, 0)
+    return tuple(sorted({min(max(i, 0), top) for i in (1, num_target_layers // 2 - 1, num_target_layers - 3)}))
+
+
 def check_target_layer_ids(ids, num_target_layers: int) -> None:
     """The one rule for which target layers a drafter checkpoint may read (the loader and
     training both ask it). A feature is the output of decoder layer i, before the final norm:
@@ -568,11 +578,11 @@ class DFlashDrafter(nn.Module):
         cls, target: TargetModel, block_size: int = 8, num_layers: int = 1, seed: int = 0
     ) -> "DFlashDrafter":
         """A seeded, randomly initialised drafter for `target`: lossless, just slow to accept.
-        It reads three target layers spread over the depth (first, middle, last-but-one), and
-        uses the last vocabulary id as its mask token."""
+        It reads the default target layers (default_target_layer_ids), and uses the last
+        vocabulary id as its mask token."""
         t = target.config
         layers = t.num_hidden_layers
-        ids = tuple(sorted({1 % layers, layers // 2, max(layers - 2, 0)}))
+        ids = default_target_layer_ids(layers)
         config = DFlashConfig(
             hidden_size=t.hidden_size,
             intermediate_size=t.intermediate_size,
