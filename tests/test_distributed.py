@@ -23,7 +23,7 @@ from ddtree.workers.model import ModelConfig
 from ddtree.workers.scheduler import BatchLimits, Scheduler
 from ddtree.workers.tensor_parallel import ShardSpec
 
-from .conftest import hf_greedy
+from .helpers import hf_greedy
 from .test_batching import mixed_requests, run_schedule
 from .ties import divergence
 

@@ -12,7 +12,7 @@ import torch
 from ddtree.workers.coordinator import Coordinator, Request
 from ddtree.workers.drafter import DFlashDrafter
 
-from .conftest import hf_greedy
+from .helpers import hf_greedy
 from .drafters import OracleDrafter
 
 BUDGETS = [0, "chain", 1, 3, 8, 16, 33]

@@ -11,7 +11,7 @@ import torch
 from ddtree.kernels.tree import build_tree, verify_block
 from ddtree.workers.loading import gguf_to_hf_dir, default_target_path, load_target_weights
 
-from .conftest import make_hf_model
+from .helpers import make_hf_model
 
 
 def our_logits(model, ids: torch.Tensor, capture=()):

@@ -33,7 +33,7 @@ from ddtree.dashboards.ddtree_dashboard import (
 from ddtree.dashboards.grafana import GrafanaAuth, dashboard_payload, datasource_payload
 from ddtree.serve.config import ServeConfig
 
-from .conftest import CHAT_SAMPLE, MODEL, free_port
+from .helpers import CHAT_SAMPLE, MODEL, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 CRDS = ROOT / "tests" / "data" / "k8s"  # KubeRay CRD schemas, SOURCES.md there

@@ -29,7 +29,7 @@ from ddtree.workers.drafter import PUBLISHED_CONFIG_KEYS, DFlashConfig, DFlashDr
 from ddtree.workers.loading import load_target_weights, weights_identity
 from ddtree.workers.model import ModelConfig
 
-from .conftest import hf_greedy, make_hf_model
+from .helpers import hf_greedy, make_hf_model
 
 DEVICE = os.environ.get("DDTREE_KERNEL_DEVICE", "cpu")
 

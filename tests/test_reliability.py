@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import CHAT_SAMPLE, CONTEXT, MODEL
+from .helpers import CHAT_SAMPLE, CONTEXT, MODEL
 
 pytestmark = pytest.mark.slow  # a Ray cluster and Serve apps: minutes on 2 cores (make test runs it)
 
@@ -569,7 +569,7 @@ def test_ddtree_serve_keys_metrics_binding_and_sigterm_drain(tiny_chat_model, tm
     import sys
     from pathlib import Path
 
-    from .conftest import free_port
+    from .helpers import free_port
 
     port, metrics_port = free_port(), free_port()
     base = f"http://127.0.0.1:{port}"

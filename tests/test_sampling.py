@@ -17,7 +17,7 @@ from ddtree.workers.coordinator import Coordinator, Request
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.loading import load_target_weights
 
-from .conftest import make_hf_model
+from .helpers import make_hf_model
 from .drafters import OracleDrafter
 
 # --- the pieces -----------------------------------------------------------------------------

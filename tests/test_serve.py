@@ -19,7 +19,7 @@ from ddtree.engine import Engine
 from ddtree.serve.app import build_app
 from ddtree.serve.config import ServeConfig
 
-from .conftest import CHAT_SAMPLE, CONTEXT, MODEL
+from .helpers import CHAT_SAMPLE, CONTEXT, MODEL
 
 pytestmark = pytest.mark.slow  # a Ray cluster and Serve apps: minutes on 2 cores (make test runs it)
 

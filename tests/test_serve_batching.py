@@ -18,7 +18,7 @@ from ray import serve
 
 from ddtree.serve.app import build_app
 
-from .conftest import CHAT_SAMPLE, MODEL, copy_tokenizer, make_hf_model
+from .helpers import CHAT_SAMPLE, MODEL, copy_tokenizer, make_hf_model
 
 pytestmark = pytest.mark.slow  # a Ray cluster and Serve apps: minutes on 2 cores (make test runs it)
 
