@@ -60,8 +60,8 @@ def parity_tests() -> int:
 def kernel_timings() -> None:
     from ddtree.kernels import batched
     from ddtree.kernels import triton_kernels as tk
-    from ddtree.kernels.batched import TreeBatch
     from ddtree.kernels.tree import build_tree
+    from ddtree.kernels.tree_batch import TreeBatch, unpack_bits
 
     section("2. kernels against their references (median ms)")
     dev = "cuda"
@@ -78,7 +78,7 @@ def kernel_timings() -> None:
         q = torch.randn(4, hq, 65, d, device=dev, dtype=torch.bfloat16)
         k = torch.randn(4, hkv, 1200, d, device=dev, dtype=torch.bfloat16)
         v = torch.randn_like(k)
-        dense = batched.unpack_bits(meta.bits, 65)
+        dense = unpack_bits(meta.bits, 65)
         mask = torch.zeros(4, 1, 65, 1200, dtype=torch.bool, device=dev)
         for r, at in enumerate(start.tolist()):
             mask[r, :, :, :at] = True
@@ -171,8 +171,9 @@ def cuda_graph_check() -> bool:
 
 
 def verify_cost_curve() -> None:
-    from ddtree.kernels.batched import TreeBatch, tree_metadata
+    from ddtree.kernels.batched import tree_metadata
     from ddtree.kernels.tree import Tree
+    from ddtree.kernels.tree_batch import TreeBatch
     from ddtree.workers.model import ModelConfig, TargetModel, TreeBits
 
     section("4. verify cost T(q)/T(1), random target with Qwen3-8B's shapes, bf16, 1024 committed tokens")

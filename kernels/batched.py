@@ -2,9 +2,10 @@
 (kernels/triton_kernels.py), behind one dispatch: Triton for CUDA tensors, the reference
 otherwise (kernels.triton_support.use_triton).
 
-A batch holds B trees of different sizes, padded to Q rows each. The mask travels as compact
-metadata -- one bit per (row, column) of the tree block, W = ceil(Q / 32) int32 words per row --
-never as a dense [Q, past + Q] float mask; it is built on the device from the parent array.
+A batch holds B trees of different sizes, padded to Q rows each (kernels/tree_batch.py holds
+the batch dataclasses and the mask's bit layout). The mask travels as compact metadata -- one
+bit per (row, column) of the tree block, W = ceil(Q / 32) int32 words per row -- never as a
+dense [Q, past + Q] float mask; it is built on the device from the parent array.
 
 Worked example (one tree, Q = 4, start 10): parents [-1, 0, 0, -1], size 3 (row 3 pads) ->
     depths    [0, 1, 1, 0]
@@ -15,53 +16,13 @@ Worked example (one tree, Q = 4, start 10): parents [-1, 0, 0, -1], size 3 (row 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from .sampling import inverse_cdf, uniform
-from .tree import Tree, ancestor_mask
+from .tree import Tree, ancestor_mask, compact_kv, greedy_walk
+from .tree_batch import TreeBatch, TreeMeta, WalkBatch, pack_bits, unpack_bits
 from .triton_support import use_triton
-
-
-@dataclass
-class TreeBatch:
-    tokens: torch.Tensor  # [B, Q] int64; rows >= sizes[b] are padding (their values are never read)
-    parents: torch.Tensor  # [B, Q] int64; -1 for roots and padding rows, parents[b, i] < i
-    sizes: torch.Tensor  # [B] int64, real nodes per tree (root included), 1 <= size <= Q
-
-    @classmethod
-    def of(cls, trees: list[Tree], q_len: int, device=None) -> "TreeBatch":
-        b = len(trees)
-        tokens = torch.zeros(b, q_len, dtype=torch.int64)
-        parents = torch.full((b, q_len), -1, dtype=torch.int64)
-        for row, tree in enumerate(trees):
-            if tree.size > q_len:
-                raise ValueError(f"tree {row} has {tree.size} nodes; the batch holds {q_len} rows")
-            tokens[row, : tree.size] = tree.tokens
-            parents[row, : tree.size] = tree.parents
-        sizes = torch.tensor([t.size for t in trees], dtype=torch.int64)
-        return cls(tokens.to(device), parents.to(device), sizes.to(device))
-
-
-@dataclass
-class TreeMeta:
-    depths: torch.Tensor  # [B, Q] int64 (padding: 0)
-    positions: torch.Tensor  # [B, Q] int64, start + depth (padding: start)
-    bits: torch.Tensor  # [B, Q, W] int32, bit j of row i: j is i or an ancestor of i
-
-
-@dataclass
-class WalkBatch:
-    path: torch.Tensor  # [B, Q] int64 accepted node indices, root first, -1 past length
-    length: torch.Tensor  # [B] int64, nodes on the path (>= 1: the root)
-    bonus: torch.Tensor  # [B] int64, the target's token after the path
-
-
-def words(q_len: int) -> int:
-    return math.ceil(q_len / 32)
 
 
 # --- 1. mask / position metadata ---------------------------------------------------------------
@@ -87,23 +48,6 @@ def tree_metadata_ref(batch: TreeBatch, start: torch.Tensor) -> TreeMeta:
         depths[row, :n] = tree_mask.sum(-1) - 1
     return TreeMeta(depths.to(batch.parents.device), (start.cpu()[:, None] + depths).to(batch.parents.device),
                     pack_bits(dense).to(batch.parents.device))
-
-
-def pack_bits(dense: torch.Tensor) -> torch.Tensor:
-    """[..., Q] bool -> [..., ceil(Q/32)] int32 words, bit j % 32 of word j // 32."""
-    q_len = dense.shape[-1]
-    padded = torch.zeros(*dense.shape[:-1], words(q_len) * 32, dtype=torch.int64)
-    padded[..., :q_len] = dense.cpu().long()
-    weights = 2 ** torch.arange(32, dtype=torch.int64)
-    packed = (padded.view(*dense.shape[:-1], -1, 32) * weights).sum(-1)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
-
-
-def unpack_bits(bits: torch.Tensor, q_len: int) -> torch.Tensor:
-    """Inverse of pack_bits: [..., W] int32 -> [..., q_len] bool."""
-    shifts = torch.arange(32, device=bits.device, dtype=torch.int64)
-    expanded = (bits.long()[..., None] >> shifts) & 1
-    return expanded.flatten(-2)[..., :q_len].bool()
 
 
 # --- 2. tree attention ---------------------------------------------------------------------------
@@ -145,8 +89,6 @@ def walk_batch(batch: TreeBatch, choices: torch.Tensor) -> WalkBatch:
 
 
 def walk_batch_ref(batch: TreeBatch, choices: torch.Tensor) -> WalkBatch:
-    from .tree import greedy_walk
-
     b, q_len = batch.tokens.shape
     path = torch.full((b, q_len), -1, dtype=torch.int64)
     length = torch.zeros(b, dtype=torch.int64)
@@ -193,8 +135,6 @@ def compact_kv_batch(k, v, start: torch.Tensor, walk: WalkBatch) -> None:
 
 
 def compact_kv_batch_ref(k, v, start, walk: WalkBatch) -> None:
-    from .tree import compact_kv
-
     for row in range(k.shape[1]):
         n = int(walk.length[row])
         compact_kv(k, v, row, int(start[row]), walk.path[row, :n].tolist())

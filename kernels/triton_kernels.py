@@ -1,7 +1,8 @@
 """Triton kernels of the tree ops; their torch references and the dispatch are in
-kernels/batched.py. Each kernel is followed by its wrapper, which checks shapes, allocates the
-outputs and launches an explicit grid. Imported only when a kernel runs (Triton is optional on
-CPU machines); tests run these on CPU with TRITON_INTERPRET=1.
+kernels/batched.py, the batch dataclasses both use in kernels/tree_batch.py. Each kernel is
+followed by its wrapper, which checks shapes, allocates the outputs and launches an explicit
+grid. Imported only when a kernel runs (Triton is optional on CPU machines); tests run these on
+CPU with TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .batched import TreeBatch, TreeMeta, WalkBatch, words
+from .tree_batch import TreeBatch, TreeMeta, WalkBatch, words
 from .triton_support import next_pow2
 
 

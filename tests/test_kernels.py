@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("triton", reason="Triton is a Linux dependency of ddtree")
 
 from ddtree.kernels import batched  # noqa: E402
-from ddtree.kernels.batched import TreeBatch, pack_bits, unpack_bits  # noqa: E402
+from ddtree.kernels.tree_batch import TreeBatch, WalkBatch, pack_bits, unpack_bits  # noqa: E402
 from ddtree.kernels.sampling import processed_probs  # noqa: E402
 from ddtree.kernels.tree import Tree, build_tree  # noqa: E402
 from ddtree.kernels import triton_kernels as tk  # noqa: E402
@@ -159,7 +159,7 @@ def test_compact_kv_kernel_equals_reference(mixed_batch):
     k_want, v_want = k.clone(), v.clone()
     batched.compact_kv_batch_ref(k_want, v_want, start, walk)
     k_got, v_got = k.to(DEVICE), v.to(DEVICE)
-    walk_dev = batched.WalkBatch(walk.path.to(DEVICE), walk.length.to(DEVICE), walk.bonus.to(DEVICE))
+    walk_dev = WalkBatch(walk.path.to(DEVICE), walk.length.to(DEVICE), walk.bonus.to(DEVICE))
     tk.compact_kv_batch_triton(k_got, v_got, start.to(DEVICE), walk_dev)
     assert torch.equal(k_got.cpu(), k_want) and torch.equal(v_got.cpu(), v_want)
     assert any(p != i for row in walk.path.tolist() for i, p in enumerate(row) if p >= 0), "no slot moved"

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.batched import tree_attention, unpack_bits
+from ..kernels.batched import tree_attention
+from ..kernels.tree_batch import unpack_bits
 from ..kernels.triton_support import use_triton
 
 FAMILIES = ("llama", "qwen3")

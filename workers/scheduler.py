@@ -38,9 +38,10 @@ from typing import Callable
 
 import torch
 
-from ..kernels.batched import TreeBatch, tree_metadata, walk_batch
+from ..kernels.batched import tree_metadata, walk_batch
 from ..kernels.sampling import is_greedy
 from ..kernels.tree import Tree, grow_tree
+from ..kernels.tree_batch import TreeBatch
 from .batch_backends import DraftRows, TargetBatch, as_batch_drafter, as_batch_target
 from .coordinator import Budget, Request, Result, RoundStats, Update, check_budget, check_stop
 from .kv_pool import PageAllocator, PoolFull

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import torch
 
 from ..config import SamplingParams
-from ..kernels.batched import TreeBatch, compact_kv_batch, sampled_choices, topk_logprobs, tree_metadata, walk_batch
+from ..kernels.batched import compact_kv_batch, sampled_choices, topk_logprobs, tree_metadata, walk_batch
 from ..kernels.sampling import is_greedy, processed_probs
 from ..kernels.tree import Candidates, Tree, VerifyBlock, compact_kv, greedy_walk, verify_block
+from ..kernels.tree_batch import TreeBatch
 from ..kernels.triton_support import use_triton
 from .drafter import DFlashDrafter, Proposer
 from .model import TargetModel, TreeBits
