@@ -404,7 +404,7 @@ def stage_export(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_id
 def reference_continuations(target: LoadedTarget, prompts: list[str], max_tokens: int):
     """Per prompt: the chat-templated prompt ids and the target's own greedy continuation."""
     from .config import SamplingParams
-    from .workers.coordinator import Request
+    from .workers.requests import Request
 
     tok = target.tokenizer
     chat = default_chat_template_kwargs(target.directory)
@@ -422,7 +422,7 @@ def solo_engine(model, drafter, budget, positions: int):
     (one request alone runs exactly as it would in a batch, up to fp32 summation order)."""
     from .workers.scheduler import BatchLimits, Scheduler
 
-    return Scheduler(model, drafter, budget, BatchLimits(max_num_seqs=1, kv_cache_tokens=positions + 2 * 129))
+    return Scheduler.local(model, drafter, budget, BatchLimits(max_num_seqs=1, kv_cache_tokens=positions + 2 * 129))
 
 
 @torch.no_grad()
@@ -458,7 +458,7 @@ def _rounds(drafts: list[Candidates], output: list[int], budget) -> int:
     path 5 -> 9 -> 2 matches, 8 does not (the target says 7), so the round emits 9, 2 and the
     bonus 7, and i = 3; at i = 3 (bonus 7) the drafts are 1, ...: nothing matches, the round
     emits the bonus 3, i = 4 = the last token: 2 rounds for the 4 tokens after the first."""
-    k = 1 if budget == "chain" else budget  # candidates per depth, as the Coordinator asks for
+    k = 1 if budget == "chain" else budget  # candidates per depth, as the engine asks for
     i, rounds, n = 0, 0, len(output)
     while i + 1 < n:
         c = drafts[i]
