@@ -55,6 +55,7 @@ class Row:
     speedup_vs_ar: float = 0.0
     speedup_vs_hf: float = 0.0
     verify_cost_ratio: float | None = None  # T(budget + 1) / T(1) of the target
+    outputs: list = field(default_factory=list)  # [prompts] the token ids each prompt generated
 
     @property
     def label(self) -> str:
@@ -93,14 +94,14 @@ class HFPeer:
         self.eos = engine.eos_token_ids
 
     @torch.inference_mode()
-    def generate(self, prompt: list[int], max_tokens: int, prompt_lookup: bool) -> int:
+    def generate(self, prompt: list[int], max_tokens: int, prompt_lookup: bool) -> list[int]:
         ids = torch.tensor([prompt])
         kwargs = {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS} if prompt_lookup else {}
         out = self.model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
             eos_token_id=list(self.eos) or None, pad_token_id=self.eos[0] if self.eos else 0, **kwargs,
         )
-        return out.shape[1] - ids.shape[1]
+        return out[0, ids.shape[1]:].tolist()
 
 
 def run_bench(
@@ -124,12 +125,14 @@ def run_bench(
         start = time.perf_counter()
         if mode == "ddtree":
             result = engine.scheduler.generate([engine.request(prompt, tokens, greedy, budget=budget)])[0]
-            n = len(result.tokens)
+            output = result.tokens
         else:
-            result, n = None, hf.generate(prompt, tokens, prompt_lookup=mode == "hf-prompt-lookup")
+            result, output = None, hf.generate(prompt, tokens, prompt_lookup=mode == "hf-prompt-lookup")
         seconds = time.perf_counter() - start
         if row is None:
             return
+        n = len(output)
+        row.outputs.append(list(output))
         row.tokens += n
         row.seconds += seconds
         if result is not None:
