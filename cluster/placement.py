@@ -16,6 +16,11 @@ Rules, in order:
 Worked example: a 65 GB bf16 target on 80 GB GPUs needs 2 GPUs. On an 8-GPU NVSwitch node that
 is TP=2, PP=1, 4 replicas on GPUs (0,1) (2,3) (4,5) (6,7). On an 8-GPU PCIe node it is TP=1,
 PP=2: stages (0)(1), (2)(3), ... each replica inside one NUMA node, 4 replicas.
+
+What reaches the engine: `Plan.placement()` is a config.Placement (`placement` in a
+ModelPairConfig / ServeConfig), and the distributed engine makes exactly that placement group
+and puts shard r in bundle r. Ray chooses which GPUs of the node fill the bundles; the GPU
+indices of `replicas` are the planner's grouping, which Ray does not enforce.
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..config import Placement
 from .topology import Topology
 
 GIB = 2**30
+CPUS_PER_GPU = 2  # CPUs each GPU's bundle reserves (the shard's process and its host-side work)
 
 
 @dataclass(frozen=True)
@@ -71,19 +78,19 @@ class Plan:
     need: int  # GPUs one replica needs by memory
     reason: str  # one line: why this shape
 
-    def bundles(self, cpus_per_gpu: int = 2) -> list[dict]:
-        """The placement-group bundles of one replica (STRICT_PACK: one node): one per GPU. The
+    def placement(self) -> Placement:
+        """The placement group of one replica: a bundle per GPU, STRICT_PACK (one node). The
         coordinator and the drafter share bundle 0 with the first shard."""
-        return [{"CPU": cpus_per_gpu, "GPU": 1} for _ in range(self.tp * self.pp)]
+        return Placement(bundles=[{"CPU": CPUS_PER_GPU, "GPU": 1} for _ in range(self.tp * self.pp)], strategy="STRICT_PACK")
 
     def to_dict(self) -> dict:
+        """What `ddtree plan` prints; `placement` goes as it is into a Serve config's args."""
         return {
             "tp": self.tp,
             "pp": self.pp,
             "need": self.need,
             "replicas": [[list(s) for s in r.stages] for r in self.replicas],
-            "bundles": self.bundles(),
-            "strategy": "STRICT_PACK",
+            "placement": self.placement().model_dump(),
             "reason": self.reason,
         }
 

@@ -1,10 +1,12 @@
-"""One validated configuration for generation; the CLI (and later Serve) maps onto it."""
+"""The validated configuration of a model pair and of generation: `ddtree generate` maps onto
+GenerateConfig, and serve.config.ServeConfig (Serve configs, `ddtree serve`) extends
+ModelPairConfig."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 class SamplingParams(BaseModel):
     """Per-request sampling. temperature 0 is greedy (and ignores the seed)."""
@@ -21,6 +23,34 @@ class SamplingParams(BaseModel):
 
 
 GREEDY = SamplingParams()
+
+
+class Placement(BaseModel):
+    """The Ray placement group of one distributed model instance (tp > 1): shard r runs in
+    bundle r, and bundle 0 also holds the coordinator and the drafter. `ddtree plan` prints one
+    for a GPU node (its `placement`), e.g.
+    {"bundles": [{"CPU": 2, "GPU": 1}, {"CPU": 2, "GPU": 1}], "strategy": "STRICT_PACK"}."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bundles: list[dict[str, float]] = Field(
+        ..., min_length=1, description="One bundle per target shard, in rank order (Ray resources: "
+        "CPU, GPU, ...). Each needs at least 1 CPU; GPUs in every bundle or in none."
+    )
+    strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK", description="Ray's placement strategy for the bundles; STRICT_PACK keeps the "
+        "shards of one instance on one node (their all-reduces never cross the network)."
+    )
+
+    @field_validator("bundles")
+    @classmethod
+    def _holds_the_actors(cls, bundles):
+        for i, b in enumerate(bundles):
+            if b.get("CPU", 0) < 1:
+                raise ValueError(f"bundle {i} has {b.get('CPU', 0):g} CPUs; each bundle needs at least 1 (its shard's)")
+        if len({b.get("GPU", 0) > 0 for b in bundles}) > 1:
+            raise ValueError("some bundles have GPUs and some not; give every shard's bundle a GPU, or none")
+        return bundles
 
 
 class ModelPairConfig(BaseModel):
@@ -59,6 +89,11 @@ class ModelPairConfig(BaseModel):
         "the distributed engine: a Coordinator actor, a Drafter actor and N TargetShard actors in one "
         "placement group of the local Ray cluster (started if none)."
     )
+    placement: Placement | None = Field(
+        None, description="The distributed engine's placement group (tp > 1): one bundle per shard and "
+        "Ray's strategy, as `ddtree plan` prints it; None = one bundle per shard of 1 CPU (and 1 GPU "
+        "where the cluster has GPUs), strategy PACK."
+    )
 
     threads: int | None = Field(
         None, ge=1, description="Intra-op CPU threads of the engine process; None = the cores it owns: "
@@ -85,6 +120,19 @@ class ModelPairConfig(BaseModel):
     @classmethod
     def _budget(cls, v):
         return v if v == "auto" else parse_budget(v)
+
+    @model_validator(mode="after")
+    def _placement_fits_tp(self):
+        if self.placement is None:
+            return self
+        if len(self.placement.bundles) != self.tp:
+            raise ValueError(f"placement has {len(self.placement.bundles)} bundles for tp {self.tp}: give one per "
+                             "shard (a plan with pipeline stages, pp > 1, cannot be served: the engine runs TP only)")
+        if self.tp == 1:
+            raise ValueError("placement places the distributed engine's actors (tp > 1); at tp 1 the engine "
+                             "runs in-process: leave placement unset (Serve: engine_num_cpus / engine_num_gpus)")
+        return self
+
 
 
 def parse_budget(v):

@@ -115,7 +115,7 @@ class Engine:
                               config.dtype, config.tp, threads)
             model_config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
             limits = batch_limits(config, model_config, dtype, device(config))
-            distributed = DistributedEngine(spec, fixed, config.static_shapes, limits=limits)
+            distributed = DistributedEngine(spec, fixed, config.static_shapes, config.placement, limits)
             engine = cls(config, target, distributed, distributed.scheduler)
         else:
             target = load_target(config.model, dtype)

@@ -118,6 +118,28 @@ def test_a_tp2_batch_gives_the_in_process_batchs_tokens(ray_cluster, tiny_checkp
         engine.shutdown()
 
 
+def test_the_configs_placement_is_the_placement_group_the_engine_makes(ray_cluster, tiny_chat_model):
+    """`ddtree plan` printed bundles and STRICT_PACK that nothing used: the engine always made one
+    1-CPU bundle per shard, PACK. A config's `placement` must be the placement group
+    Engine.from_config makes, and the actors must run inside its bundles: shard r takes all of
+    bundle r, bundle 0 also the coordinator and the drafter, so none of the group is left free."""
+    from ddtree.config import ModelPairConfig
+    from ddtree.engine import Engine
+
+    placement = {"bundles": [{"CPU": 2}, {"CPU": 1}], "strategy": "STRICT_PACK"}
+    config = ModelPairConfig(model=str(tiny_chat_model), budget=0, block_size=4, tp=2, threads=1, placement=placement)
+    distributed = Engine.from_config(config).coordinator
+    try:
+        table = ray.util.placement_group_table(distributed.group)
+        assert table["strategy"] == "STRICT_PACK"
+        assert [table["bundles"][i] for i in range(2)] == [{"CPU": 2.0}, {"CPU": 1.0}]
+        assert len(distributed.generate([Request([1, 2, 3], 4)])[0].tokens) == 4
+        group, free = distributed.group.id.hex(), ray.available_resources()
+        assert [free.get(f"CPU_group_{i}_{group}", 0) for i in range(2)] == [0, 0]
+    finally:
+        distributed.shutdown()
+
+
 def test_a_killed_shard_ends_its_request_with_a_clear_error_and_the_next_one_succeeds(tiny_engines):
     """A TargetShard dying mid-generation must not hang the request (its peer waits in a
     collective that will never complete) nor poison the next one: the request fails with

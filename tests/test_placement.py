@@ -1,17 +1,24 @@
 """Topology parsing and placement planning on recorded `nvidia-smi topo -m` matrices (in the
 tool's own tab-separated layout) of three 8-GPU nodes: NVSwitch (NV18 everywhere), PCIe with
-two NUMA nodes (PIX / NODE / SYS), and mixed (NVLink-bridged pairs, PCIe between them)."""
+two NUMA nodes (PIX / NODE / SYS), and mixed (NVLink-bridged pairs, PCIe between them); and the
+plan's placement as the configuration takes it (tests/test_distributed.py checks that the engine
+makes that placement group)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import yaml
+from pydantic import ValidationError
 
 from ddtree.cluster.placement import GIB, Footprint, plan
+from ddtree.config import ModelPairConfig, Placement
 from ddtree.cluster.topology import Link, LinkKind, Topology
 
-TOPOLOGY = Path(__file__).parent / "data" / "topology"
+ROOT = Path(__file__).parent.parent
+TOPOLOGY = ROOT / "tests" / "data" / "topology"
 
 
 def topology(name: str) -> Topology:
@@ -55,7 +62,7 @@ def test_a_model_that_fits_one_gpu_runs_one_replica_per_gpu_everywhere():
     for name in ("nvlink-8gpu", "pcie-8gpu-2numa", "mixed-nvlink-pairs-8gpu"):
         p = plan(Footprint.from_hf_config(QWEN3_8B), 80 * GIB, topology(name))
         assert (p.tp, p.pp, len(p.replicas)) == (1, 1, 8)
-        assert p.bundles() == [{"CPU": 2, "GPU": 1}]
+        assert p.placement() == Placement(bundles=[{"CPU": 2, "GPU": 1}], strategy="STRICT_PACK")
 
 
 def test_two_gpu_model_uses_tp_inside_nvlink_and_pipeline_stages_over_pcie():
@@ -72,7 +79,7 @@ def test_two_gpu_model_uses_tp_inside_nvlink_and_pipeline_stages_over_pcie():
     assert [r.stages for r in pcie.replicas] == [((0,), (1,)), ((2,), (3,)), ((4,), (5,)), ((6,), (7,))]
     for r in pcie.replicas:  # both stages behind one PCIe switch, never across sockets
         assert topology("pcie-8gpu-2numa").link(*r.gpus).kind is LinkKind.PIX
-    assert len(pcie.bundles()) == 2
+    assert len(pcie.placement().bundles) == 2
 
 
 def test_four_gpu_model_on_the_mixed_node_keeps_tp_on_the_nvlink_pairs_and_stages_inside_a_numa_node():
@@ -92,3 +99,37 @@ def test_tp_never_exceeds_the_key_value_heads_and_too_big_a_model_is_refused():
     assert p.tp == 2 and p.pp == 2
     with pytest.raises(ValueError, match=r"needs 13 GPUs of 80 GiB .*this node has 8"):
         plan(Footprint(weight_bytes=int(700 * GIB), kv_heads=8), 80 * GIB, topology("nvlink-8gpu"))
+
+
+def test_the_plans_placement_is_what_a_tp_config_takes():
+    """`ddtree plan` prints `placement`; pasted into a config's `placement` it is the engine's
+    placement group. A plan the engine cannot run (pipeline stages) or a placement at tp 1 (the
+    in-process engine, which Ray places as one replica) is refused, naming what to do."""
+    nv = plan(Footprint.from_hf_config(QWEN3_32B), 80 * GIB, topology("nvlink-8gpu"))
+    printed = nv.to_dict()["placement"]
+    assert printed == {"bundles": [{"CPU": 2, "GPU": 1}] * 2, "strategy": "STRICT_PACK"}
+    assert ModelPairConfig(tp=nv.tp, placement=printed).placement == nv.placement()
+    staged = plan(Footprint.from_hf_config(QWEN3_32B), 80 * GIB, topology("pcie-8gpu-2numa"))
+    with pytest.raises(ValidationError, match=r"2 bundles for tp 1.*pp > 1, cannot be served"):
+        ModelPairConfig(tp=staged.tp, placement=staged.to_dict()["placement"])
+    with pytest.raises(ValidationError, match="at tp 1 the engine runs in-process"):
+        ModelPairConfig(placement={"bundles": [{"CPU": 2, "GPU": 1}]})
+    with pytest.raises(ValidationError, match="bundle 1 has 0.5 CPUs"):
+        ModelPairConfig(tp=2, placement={"bundles": [{"CPU": 1}, {"CPU": 0.5}]})
+    with pytest.raises(ValidationError, match="some bundles have GPUs and some not"):
+        ModelPairConfig(tp=2, placement={"bundles": [{"CPU": 1, "GPU": 1}, {"CPU": 1}]})
+
+
+def test_the_nvlink_rayservice_serves_the_plans_placement():
+    """The NVLink sample runs tp 2: its args carry the placement the planner prints for the
+    node recorded in its `ddtree.io/plan` annotation."""
+    from ddtree.serve.config import ServeConfig
+
+    service = yaml.safe_load((ROOT / "cluster" / "kuberay" / "rayservice-gpu-nvlink.yaml").read_text())
+    recorded = dict(kv.split("=") for kv in service["metadata"]["annotations"]["ddtree.io/plan"].split())
+    hf = json.loads((ROOT / "tests" / "data" / "models" / "qwen3-8b.json").read_text())
+    footprint = Footprint.from_hf_config(hf, 2, GIB, int(recorded["kv-tokens"]))
+    chosen = plan(footprint, int(recorded["gpu-memory-gib"]) * GIB, topology(recorded["topology"]))
+    args = ServeConfig.model_validate(yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"])
+    assert args.tp == chosen.tp == 2
+    assert args.placement == chosen.placement()

@@ -45,7 +45,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..config import SamplingParams
+from ..config import Placement, SamplingParams
 from ..kernels.tree import Candidates, Tree
 from .batch_backends import DraftRows, LocalBatchDrafter, LocalBatchTarget, TargetBatch, TargetStep
 from .coordinator import Budget, Coordinator, Request, Result, Update, check_budget
@@ -58,6 +58,9 @@ from .tensor_parallel import ShardSpec, TensorParallel
 
 PROCESS_GROUP_TIMEOUT_S = 120  # a collective waiting longer than this for a dead peer fails
 PLACEMENT_TIMEOUT_S = 120  # how long a model instance waits for its placement group
+COORDINATOR_CPUS = 0.25  # of bundle 0 (shard 0 takes the rest of it)
+DRAFTER_CPUS = 0.25  # of bundle 0
+DRAFTER_GPU_SHARE = 0.1  # of bundle 0's GPUs (the drafter shares shard 0's GPU)
 ARRIVALS = "arrivals"  # the CoordinatorWorker's concurrency group of `add` and `cancel` (one thread)
 
 
@@ -75,14 +78,11 @@ class WorkerSpec:
     dtype: str  # "float32", "float64" or "bfloat16"
     tp: int  # tensor-parallel shards
     threads_per_worker: int  # torch threads of each shard (CPU)
-    devices: tuple[int, ...] | None = None  # GPU index per shard rank, from the placement plan
-    # (cluster.placement); None = the GPU Ray assigns. The drafter shares shard 0's GPU.
 
 
 def _device(spec: WorkerSpec, rank: int = 0) -> torch.device:
-    if not torch.cuda.is_available():
-        return torch.device("cpu")
-    return torch.device("cuda", spec.devices[rank]) if spec.devices else torch.device("cuda")
+    """The GPU Ray assigned to this actor (CUDA_VISIBLE_DEVICES holds only it), else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
 # --- the workers (plain classes, made Ray actors by DistributedEngine) -----------------------
@@ -342,11 +342,11 @@ class CoordinatorWorker:
     `add` and `cancel` run in their own concurrency group (ARRIVALS), so that a request joins
     or leaves while a step runs, as the Scheduler allows; everything else runs one call at a time."""
 
-    def __init__(self, spec: WorkerSpec, budget: Budget, static_shapes: bool, group: PlacementGroup, gpu: bool,
-                 limits: BatchLimits = BatchLimits()):
+    def __init__(self, spec: WorkerSpec, budget: Budget, static_shapes: bool, group: PlacementGroup,
+                 placement: Placement, limits: BatchLimits = BatchLimits()):
         self.spec, self.budget, self.static_shapes, self.group = spec, budget, static_shapes, group
+        self.placement = placement  # `group` was made from it: shard r in bundle r
         self.limits = limits
-        self.gpu = gpu  # the placement group holds a GPU per shard (this actor itself has none)
         directory = Path(spec.target_dir)
         has_tokenizer = any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
         self.tokenizer = load_tokenizer(directory) if has_tokenizer else None  # None: no stop strings
@@ -357,22 +357,25 @@ class CoordinatorWorker:
         self.batch_lost = False  # the workers died (in a per-request stream) under a batch with work
 
     def _start_workers(self) -> None:
-        # With a plan's devices, workers pick their GPU by index: Ray must not narrow
-        # CUDA_VISIBLE_DEVICES to the one it assigned.
-        pinned = {"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}} if self.spec.devices else None
-
-        def on(bundle: int, **resources):
+        def on(bundle: int, num_cpus: float, num_gpus: float):
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=bundle)
-            return dict(scheduling_strategy=strategy, runtime_env=pinned, **resources)
+            return dict(scheduling_strategy=strategy, num_cpus=num_cpus, num_gpus=num_gpus)
 
-        gpu = self.gpu
+        # Shard r takes all of bundle r's CPUs and GPUs, but in bundle 0 the coordinator (this
+        # actor) and the drafter take their share first.
+        bundles = self.placement.bundles
+        gpus0 = bundles[0].get("GPU", 0)
         shards = [
             ray.remote(TargetShardWorker)
-            .options(**on(r, num_cpus=0.5 if r == 0 else 1, num_gpus=(0.9 if r == 0 else 1) if gpu else 0))
+            .options(**(
+                on(0, bundles[0]["CPU"] - COORDINATOR_CPUS - DRAFTER_CPUS, gpus0 * (1 - DRAFTER_GPU_SHARE))
+                if r == 0
+                else on(r, bundles[r]["CPU"], bundles[r].get("GPU", 0))
+            ))
             .remote(self.spec, r)
             for r in range(self.spec.tp)
         ]
-        drafter = ray.remote(DrafterWorker).options(**on(0, num_cpus=0.25, num_gpus=0.1 if gpu else 0)).remote(self.spec)
+        drafter = ray.remote(DrafterWorker).options(**on(0, DRAFTER_CPUS, gpus0 * DRAFTER_GPU_SHARE)).remote(self.spec)
         self.workers = [drafter, *shards]
         names = ["drafter", *(f"target shard {r}" for r in range(len(shards)))]
         try:
@@ -499,28 +502,32 @@ class DistributedEngine:
     Coordinator (generate, stream, budget, check_budget, verify_len); `scheduler` is the batch's
     step API (RemoteScheduler)."""
 
-    def __init__(self, spec: WorkerSpec, budget: Budget = 0, static_shapes: bool = True, bundles: list[dict] | None = None,
-                 limits: BatchLimits = BatchLimits()):
+    def __init__(self, spec: WorkerSpec, budget: Budget = 0, static_shapes: bool = True,
+                 placement: Placement | None = None, limits: BatchLimits = BatchLimits()):
+        """`placement`: the placement group to make (config.Placement, one bundle per shard, e.g.
+        `ddtree plan`'s); None = default_placement."""
         if not ray.is_initialized():
             ray.init(include_dashboard=False)
         self.spec = spec
         self._budget = check_budget(budget, has_drafter=True)  # the drafter actor is always there
-        wanted = bundles or cpu_bundles(spec.tp, gpu=bool(ray.cluster_resources().get("GPU")))
-        gpu = any(b.get("GPU") for b in wanted)
-        self.group = placement_group(wanted, strategy="PACK")
+        placement = placement or default_placement(spec.tp, gpu=bool(ray.cluster_resources().get("GPU")))
+        if len(placement.bundles) != spec.tp:
+            raise ValueError(f"placement has {len(placement.bundles)} bundles for tp {spec.tp}: give one per shard")
+        self.placement = placement
+        self.group = placement_group(placement.bundles, strategy=placement.strategy)
         try:
             ray.get(self.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self.group)
             raise RuntimeError(
-                f"the model instance's placement group {wanted} could not be placed within "
-                f"{PLACEMENT_TIMEOUT_S} s; the cluster has {ray.available_resources()} available"
+                f"the model instance's placement group {placement.bundles} ({placement.strategy}) could not be "
+                f"placed within {PLACEMENT_TIMEOUT_S} s; the cluster has {ray.available_resources()} available"
             ) from None
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=0)
         self.actor = (
             ray.remote(concurrency_groups={ARRIVALS: 1})(CoordinatorWorker)
-            .options(num_cpus=0.25, scheduling_strategy=strategy)
-            .remote(spec, budget, static_shapes, self.group, gpu, limits)
+            .options(num_cpus=COORDINATOR_CPUS, scheduling_strategy=strategy)
+            .remote(spec, budget, static_shapes, self.group, placement, limits)
         )
         self.block_size = ray.get(self.actor.block_size.remote())
         self.scheduler = RemoteScheduler(self.actor)
@@ -637,8 +644,8 @@ class RemoteScheduler:
         return ray.get(self.actor.generate.remote(requests))
 
 
-def cpu_bundles(tp: int, gpu: bool = False) -> list[dict]:
-    """One bundle per shard; bundle 0 also holds the coordinator and the drafter."""
-    if gpu:
-        return [{"CPU": 1, "GPU": 1} for _ in range(tp)]
-    return [{"CPU": 1} for _ in range(tp)]
+def default_placement(tp: int, gpu: bool = False) -> Placement:
+    """Without a plan: one bundle per shard, 1 CPU (and 1 GPU on a cluster with GPUs), PACK
+    (one node where it fits, else spread). Bundle 0 also holds the coordinator and the drafter."""
+    bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
+    return Placement(bundles=[dict(bundle) for _ in range(tp)], strategy="PACK")
