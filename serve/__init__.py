@@ -1,1 +1,3 @@
-"""Serve deployments and the OpenAI API (not built yet)."""
+"""The Ray Serve application (`serve.app.build_app`): its validated config, the OpenAI-compatible
+ingress (chat and completions, SSE streaming, API keys, limits, admission), the engine deployment
+(one replica = one model instance running the step loop) and its Prometheus metrics."""
