@@ -13,8 +13,11 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs
 
 import httpx
 import jsonschema
@@ -30,7 +33,7 @@ from ddtree.dashboards.ddtree_dashboard import (
     dashboard_json,
     promql_expressions,
 )
-from ddtree.dashboards.grafana import GrafanaAuth, dashboard_payload, datasource_payload
+from ddtree.dashboards.grafana import GrafanaAuth
 from ddtree.serve.config import ServeConfig
 
 from .helpers import CHAT_SAMPLE, MODEL, free_port
@@ -74,18 +77,119 @@ def test_export_command_writes_the_dashboard(tmp_path):
     assert json.loads(out.read_text()) == dashboard_json()
 
 
-def test_push_requests_are_idempotent_by_uid(monkeypatch):
-    source = datasource_payload("http://prometheus:9090")
-    assert source["uid"] == DATASOURCE_UID and source["type"] == "prometheus" and source["url"] == "http://prometheus:9090"
-    payload = dashboard_payload(folder_uid="llm")
-    assert payload["overwrite"] is True and payload["folderUid"] == "llm"
-    assert payload["dashboard"]["uid"] == DASHBOARD_UID and "id" not in payload["dashboard"]
-    auth = GrafanaAuth.from_env(url="http://grafana:3000", token="glsa_x")
-    assert auth.credential() == "glsa_x"
-    assert GrafanaAuth("http://g", user="admin", password="pw").credential() == ("admin", "pw")
-    monkeypatch.delenv("GRAFANA_URL", raising=False)
+def test_grafana_auth_flags_win_over_the_environment(monkeypatch):
+    monkeypatch.setenv("GRAFANA_URL", "http://grafana-from-env:3000")
+    monkeypatch.setenv("GRAFANA_TOKEN", "glsa_env")
+    assert GrafanaAuth.from_env().credential() == "glsa_env"
+    auth = GrafanaAuth.from_env(url="http://grafana:3000", token="glsa_flag")
+    assert (auth.url, auth.credential()) == ("http://grafana:3000", "glsa_flag")
+    monkeypatch.delenv("GRAFANA_TOKEN")
+    assert GrafanaAuth.from_env(user="admin", password="pw").credential() == ("admin", "pw")
+    monkeypatch.delenv("GRAFANA_URL")
     with pytest.raises(ValueError, match="GRAFANA_URL"):
         GrafanaAuth.from_env()
+
+
+class GrafanaStandIn(BaseHTTPRequestHandler):
+    """The five routes of Grafana's HTTP API that `dashboards push` and the check below use,
+    with Grafana's rules: a second data source of the same uid or name is a 409; a dashboard
+    posted without a uid gets a new one; one posted over an existing uid without `overwrite`
+    (and without its stored version) is a 412; each save bumps the version."""
+
+    state: dict  # set per server: {"datasources": {uid: body}, "dashboards": {uid: body}, "requests": [...]}
+
+    def log_message(self, *args):
+        pass
+
+    def answer(self, status: int, body) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def body(self) -> dict:
+        return json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+
+    def route(self, method: str) -> None:
+        path, _, query = self.path.partition("?")
+        self.state["requests"].append((method, path, self.headers.get("Authorization")))
+        sources, boards = self.state["datasources"], self.state["dashboards"]
+        uid = path.removeprefix("/api/datasources/uid/") if path.startswith("/api/datasources/uid/") else None
+        if method == "GET" and uid is not None:
+            return self.answer(200, sources[uid]) if uid in sources else self.answer(404, {"message": "Data source not found"})
+        if method == "PUT" and uid is not None:
+            if uid not in sources:
+                return self.answer(404, {"message": "Data source not found"})
+            sources[uid] = {**self.body(), "id": sources[uid]["id"], "uid": uid}
+            return self.answer(200, {"message": "Datasource updated", "datasource": sources[uid]})
+        if method == "POST" and path == "/api/datasources":
+            source = self.body()
+            if source.get("uid") in sources or any(s["name"] == source["name"] for s in sources.values()):
+                return self.answer(409, {"message": "data source with the same name already exists"})
+            sources[source["uid"]] = {**source, "id": len(sources) + 1}
+            return self.answer(200, {"message": "Datasource added", "datasource": sources[source["uid"]]})
+        if method == "POST" and path == "/api/dashboards/db":
+            payload = self.body()
+            board = dict(payload["dashboard"])
+            board["uid"] = board.get("uid") or f"generated-{len(boards) + 1}"
+            stored = boards.get(board["uid"])
+            if stored and not payload.get("overwrite") and board.get("version") != stored["version"]:
+                return self.answer(412, {"status": "version-mismatch", "message": "The dashboard has been changed by someone else"})
+            board["version"] = stored["version"] + 1 if stored else 1
+            boards[board["uid"]] = {**board, "folderUid": payload.get("folderUid")}
+            return self.answer(200, {"status": "success", "uid": board["uid"], "version": board["version"]})
+        if method == "GET" and path == "/api/search":
+            words = parse_qs(query).get("query", [""])[0].lower()
+            return self.answer(200, [{"uid": u, "title": b["title"], "type": "dash-db"} for u, b in boards.items() if words in b["title"].lower()])
+        return self.answer(404, {"message": "Not found"})
+
+    def do_GET(self):
+        self.route("GET")
+
+    def do_POST(self):
+        self.route("POST")
+
+    def do_PUT(self):
+        self.route("PUT")
+
+
+@pytest.fixture
+def grafana():
+    """A Grafana HTTP API stand-in on 127.0.0.1 (the real push code and grafana-client talk to it
+    over HTTP); yields its URL and what it stores."""
+    state = {"datasources": {}, "dashboards": {}, "requests": []}
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (GrafanaStandIn,), {"state": state}))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield {"url": f"http://127.0.0.1:{httpd.server_address[1]}", **state}
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def test_push_twice_leaves_one_dashboard_and_one_data_source(grafana):
+    """`ddtree dashboards push` creates, then updates in place: pushing again (here with a new
+    Prometheus URL) overwrites the dashboard of the same uid and updates the data source of the
+    same uid, instead of failing on them or adding a second of either."""
+    from grafana_client import GrafanaApi
+
+    from ddtree.dashboards.grafana import push
+
+    auth = GrafanaAuth(grafana["url"], token="glsa_test")
+    first = push(auth, "http://prometheus:9090", folder_uid="llm")
+    second = push(auth, "http://prometheus-2:9090", folder_uid="llm")
+    assert (first["uid"], first["version"]) == (DASHBOARD_UID, 1)
+    assert (second["uid"], second["version"]) == (DASHBOARD_UID, 2)
+    assert list(grafana["dashboards"]) == [DASHBOARD_UID]
+    stored = grafana["dashboards"][DASHBOARD_UID]
+    assert stored["folderUid"] == "llm" and stored["panels"] == dashboard_json()["panels"]
+    assert list(grafana["datasources"]) == [DATASOURCE_UID]
+    source = grafana["datasources"][DATASOURCE_UID]
+    assert (source["id"], source["type"], source["url"]) == (1, "prometheus", "http://prometheus-2:9090")
+    assert {auth for *_, auth in grafana["requests"]} == {"Bearer glsa_test"}
+    found = GrafanaApi.from_url(auth.url, credential=auth.credential()).search.search_dashboards(query="ddtree")
+    assert [d["uid"] for d in found] == [DASHBOARD_UID]
 
 
 @pytest.mark.skipif(not os.environ.get("GRAFANA_URL"), reason="set GRAFANA_URL (and GRAFANA_TOKEN or GRAFANA_USER/PASSWORD) to push to a real Grafana")
