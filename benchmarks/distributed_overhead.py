@@ -2,10 +2,10 @@
 
     .venv/bin/python benchmarks/distributed_overhead.py [--tokens 48] [--prompts 3] [--budgets 0,16]
 
-For each budget: the in-process Coordinator, the distributed engine at TP=1 (Ray actors, no
-collectives) and at TP=2 (two shards summing over gloo), interleaved prompt by prompt after a
-warm-up. Prints a Markdown table of median ms per round and median transport ms per round (the
-time calls spent beyond the workers' own compute). Greedy, SmolLM2-135M fp32, shipped drafter.
+For each budget: the in-process step loop (workers.scheduler), the distributed engine at TP=1
+(the same loop in a Ray actor over actor backends, no collectives) and at TP=2 (two shards
+summing over gloo), interleaved prompt by prompt after a warm-up; one request at a time. Prints
+a Markdown table of median ms per round. Greedy, SmolLM2-135M fp32, shipped drafter.
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import torch
 
 from ddtree.config import parse_budget
 from ddtree.engine import shipped_drafter
-from ddtree.workers.coordinator import Coordinator, Request
-from ddtree.workers.distributed import DistributedEngine, WorkerSpec
+from ddtree.workers.distributed import RayInstance, WorkerSpec
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.loading import load_target
+from ddtree.workers.requests import Request
+from ddtree.workers.scheduler import Scheduler
 
 DATA = Path(__file__).resolve().parent / "data" / "gsm8k-test.jsonl"
 
@@ -39,10 +40,10 @@ def main() -> None:
     torch.set_num_threads(2)
     target = load_target(None, torch.float32)
     drafter_dir = shipped_drafter()
-    local = Coordinator(target.model, DFlashDrafter.load(drafter_dir, target.model))
+    local = Scheduler.local(target.model, DFlashDrafter.load(drafter_dir, target.model))
     ray.init(num_cpus=6, include_dashboard=False)
     engines = {
-        f"ray tp={tp}": DistributedEngine(
+        f"ray tp={tp}": RayInstance(
             WorkerSpec(str(target.directory), str(drafter_dir), 8, "float32", tp, threads_per_worker=2 // tp)
         )
         for tp in (1, 2)
@@ -59,23 +60,20 @@ def main() -> None:
         run([Request(prompts[0], 4, budget=budgets[-1])])
 
     round_ms = {(n, b): [] for n in runners for b in budgets}
-    transport_ms = {(n, b): [] for n in runners for b in budgets}
     for prompt in prompts:
         for b in budgets:
             for name, run in runners.items():
                 result = run([Request(prompt, args.tokens, eos_token_ids=(tok.eos_token_id,), budget=b)])[0]
                 wall = result.decode_s / max(len(result.rounds), 1)
                 round_ms[name, b].append(1000 * wall)
-                transport_ms[name, b].extend(1000 * r.transport_s for r in result.rounds)
 
-    print("| engine | budget | median ms / round | median transport ms / round | vs in-process |")
-    print("|---|---|---|---|---|")
+    print("| engine | budget | median ms / round | vs in-process |")
+    print("|---|---|---|---|")
     for b in budgets:
         base = statistics.median(round_ms["in-process", b])
         for name in runners:
             ms = statistics.median(round_ms[name, b])
-            tr = statistics.median(transport_ms[name, b])
-            print(f"| {name} | {b} | {ms:.1f} | {tr:.1f} | {ms / base:.2f}x |")
+            print(f"| {name} | {b} | {ms:.1f} | {ms / base:.2f}x |")
     for e in engines.values():
         e.shutdown()
 

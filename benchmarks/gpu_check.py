@@ -146,7 +146,8 @@ class GraphedVerify:
 
 def cuda_graph_check() -> bool:
     from ddtree.engine import shipped_drafter
-    from ddtree.workers.coordinator import Coordinator, Request
+    from ddtree.workers.requests import Request
+    from ddtree.workers.solo import SoloLoop
     from ddtree.workers.drafter import DFlashDrafter
     from ddtree.workers.loading import load_target
     from ddtree.workers.sessions import LocalDrafter, LocalTarget
@@ -160,8 +161,8 @@ def cuda_graph_check() -> bool:
     for text in ("Explain how a binary search works.", "Write a Python function that reverses a list."):
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True), add_special_tokens=False)
         req = Request(ids, 96, eos_token_ids=(tok.eos_token_id,), budget=32)
-        eager = Coordinator(model, drafter).generate([req])[0]
-        graphed = Coordinator(LocalTarget(GraphedVerify(model)), LocalDrafter(drafter)).generate([req])[0]
+        eager = SoloLoop.local(model, drafter).generate([req])[0]
+        graphed = SoloLoop(LocalTarget(GraphedVerify(model)), LocalDrafter(drafter)).generate([req])[0]
         sizes = [r.tree_size for r in eager.rounds]
         same = graphed.tokens == eager.tokens
         ok &= same
@@ -209,7 +210,7 @@ def smollm2_end_to_end() -> None:
     rendered = [engine.render_chat([{"role": "user", "content": p}]) for p in prompts]
     budgets = [0, "chain", 8, 16, 32, 64]
     for b in budgets:  # warm-up
-        engine.coordinator.generate([engine.request(rendered[0], 8, SamplingParams(), budget=b)])
+        engine.generate([engine.request(rendered[0], 8, SamplingParams(), budget=b)])
     rate, tau = {}, {}
     for b in budgets:
         tokens = rounds = 0
@@ -217,7 +218,7 @@ def smollm2_end_to_end() -> None:
         for r in rendered:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            res = engine.coordinator.generate([engine.request(r, 128, SamplingParams(), budget=b)])[0]
+            res = engine.generate([engine.request(r, 128, SamplingParams(), budget=b)])[0]
             torch.cuda.synchronize()
             seconds += time.perf_counter() - t0
             tokens, rounds = tokens + len(res.tokens), rounds + len(res.rounds)

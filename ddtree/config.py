@@ -134,9 +134,9 @@ class ModelPairConfig(BaseModel):
         return self
 
 
-
-def parse_budget(v):
-    """'chain', or a non-negative integer (also given as a string); ValueError otherwise."""
+def parse_budget(v, max_budget: int | None = None):
+    """'chain', or a non-negative integer (also given as a string) of at most `max_budget`;
+    ValueError otherwise. The one rule for what a budget may be (config files, flags, requests)."""
     if isinstance(v, str) and v != "chain":
         try:
             v = int(v)
@@ -146,6 +146,8 @@ def parse_budget(v):
         raise ValueError("budget must be a non-negative integer or 'chain'")
     if isinstance(v, int) and v < 0:
         raise ValueError("budget must be >= 0 (0 = plain decoding)")
+    if max_budget is not None and isinstance(v, int) and v > max_budget:
+        raise ValueError(f"{v} exceeds this server's max_budget of {max_budget}")
     return v
 
 

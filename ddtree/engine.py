@@ -1,5 +1,10 @@
-"""The in-process engine: a model pair loaded from its config, plus the tokenizer's side of a
-request (chat template, EOS, decoding). The CLI and the Serve engine deployment both use it."""
+"""The engine: a model pair loaded from its config and the batched step loop over it
+(workers.scheduler), plus the tokenizer's side of a request (chat template, EOS, decoding).
+
+`Engine.generate` / `Engine.stream` are the API of callers that own the engine (the CLI, bench,
+calibration, tests): they run the step loop on the calling thread. A server drives
+`Engine.scheduler` from one thread instead (serve.engine_server.BatchDriver). At tp > 1 the
+models and the step loop live in Ray actors (workers.distributed) behind the same API."""
 
 from __future__ import annotations
 
@@ -9,15 +14,16 @@ import os
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
 from .config import GenerateConfig, ModelPairConfig, SamplingParams
-from .workers.coordinator import Budget, Coordinator, Request, Result
 from .workers.drafter import DFlashDrafter
-from .workers.loading import LoadedTarget, load_target, load_tokenizer, target_directory, weights_identity
 from .workers.kv_pool import KVStorage
+from .workers.loading import LoadedTarget, load_target, load_tokenizer, target_directory, weights_identity
 from .workers.model import ModelConfig
+from .workers.requests import Budget, Request, Result, Update, check_budget, tree_rows
 from .workers.scheduler import BatchLimits, Scheduler, bucket
 
 
@@ -93,8 +99,9 @@ def batch_limits(config: ModelPairConfig, model: ModelConfig, dtype: torch.dtype
 class Engine:
     config: ModelPairConfig
     target: LoadedTarget  # its model is None when the target lives in TargetShard actors (tp > 1)
-    coordinator: Coordinator  # or a DistributedEngine (same generate / stream / budget)
-    scheduler: Scheduler | None = None  # the batched step loop (tp > 1: a RemoteScheduler, the same API)
+    scheduler: Scheduler  # the step loop (tp > 1: a workers.distributed.RemoteScheduler, the same API)
+    block_size: int  # the drafter's block: a chain drafts block_size - 1 tokens
+    instance: object | None = None  # tp > 1: the workers.distributed.RayInstance holding the actors
 
     @classmethod
     def from_config(cls, config: ModelPairConfig) -> "Engine":
@@ -106,7 +113,7 @@ class Engine:
         drafter_path = config.drafter or (shipped_drafter() if config.model is None else None)
         fixed = 0 if config.budget == "auto" else config.budget
         if config.tp > 1:
-            from .workers.distributed import DistributedEngine, WorkerSpec
+            from .workers.distributed import RayInstance, WorkerSpec
 
             directory = target_directory(config.model)
             target = LoadedTarget(None, load_tokenizer(directory), directory)  # the weights live in the shards
@@ -115,8 +122,8 @@ class Engine:
                               config.dtype, config.tp, threads)
             model_config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
             limits = batch_limits(config, model_config, dtype, device(config))
-            distributed = DistributedEngine(spec, fixed, config.static_shapes, config.placement, limits)
-            engine = cls(config, target, distributed, distributed.scheduler)
+            instance = RayInstance(spec, fixed, config.placement, limits)
+            engine = cls(config, target, instance.scheduler, instance.block_size, instance)
         else:
             target = load_target(config.model, dtype)
             target.model.to(device(config))
@@ -125,11 +132,9 @@ class Engine:
                 if drafter_path
                 else DFlashDrafter.untrained(target.model, block_size=config.block_size)
             ).to(device(config))
-            engine = cls(config, target, None)
-            engine.coordinator = Coordinator(
-                target.model, drafter, fixed, static_shapes=config.static_shapes, decode=engine.decode
-            )
-            engine.scheduler = Scheduler(target.model, drafter, fixed, batch_limits(config, target.model.config, dtype, target.model.device), engine.decode)
+            engine = cls(config, target, None, drafter.block_size)
+            limits = batch_limits(config, target.model.config, dtype, target.model.device)
+            engine.scheduler = Scheduler.local(target.model, drafter, fixed, limits, engine.decode)
         if config.budget == "auto":
             from .calibrate import calibrated_budget
 
@@ -137,15 +142,49 @@ class Engine:
                 drafter_id = weights_identity(Path(drafter_path))  # one file or shards
             else:
                 drafter_id = f"untrained-block{config.block_size}"
-            engine.coordinator.budget = calibrated_budget(engine, drafter_id)
-            if engine.scheduler is not None:
-                engine.scheduler.budget = engine.coordinator.budget
+            engine.budget = calibrated_budget(engine, drafter_id)
         return engine
 
     @property
-    def budget(self):
+    def budget(self) -> Budget:
         """The budget requests run at unless they ask for another (auto resolved)."""
-        return self.coordinator.budget
+        return self.scheduler.budget
+
+    @budget.setter
+    def budget(self, budget: Budget) -> None:
+        self.scheduler.budget = self.check_budget(budget)
+
+    def check_budget(self, budget: Budget, max_budget: int | None = None) -> Budget:
+        """`budget` if this engine can run it (under `max_budget`), else ValueError. Every
+        engine holds a drafter (an untrained one when none is named)."""
+        return check_budget(budget, has_drafter=True, max_budget=max_budget)
+
+    def generate(self, requests: list[Request]) -> list[Result]:
+        """The requests as one batch, to the end; results in request order."""
+        return self.scheduler.generate(requests)
+
+    def stream(self, request: Request) -> Iterator[Update]:
+        """One request's updates as the step loop produces them (the loop runs here, so the
+        engine must not be driven by another thread meanwhile)."""
+        seq_id, done = self.scheduler.add(request), False
+        try:
+            while not done:
+                for sid, update in self.scheduler.step():
+                    if sid == seq_id:
+                        done = update.result is not None
+                        yield update
+        finally:
+            if not done:  # a consumer that stopped early: the sequence leaves, its pages come back
+                self.scheduler.cancel(seq_id)
+
+    def verify_len(self, budget: Budget) -> int:
+        """Q: the verify rows a lone request at `budget` runs (its tree's rows, bucketed)."""
+        return bucket(tree_rows(budget, self.block_size))
+
+    def shutdown(self) -> None:
+        """Releases the Ray actors of a tp > 1 engine (nothing to do in process)."""
+        if self.instance is not None:
+            self.instance.shutdown()
 
     @cached_property
     def context_length(self) -> int:
@@ -193,14 +232,10 @@ class Engine:
     ) -> Request:
         return Request(prompt, max_tokens, tuple(stop), self.eos_token_ids, sampling, budget)
 
-    def generate(self, user_messages: list[str], config: GenerateConfig) -> list[Result]:
-        """`ddtree generate`: each message is one user turn."""
-        requests = [
-            self.request(self.render_chat([{"role": "user", "content": m}]), config.max_tokens, config.sampling, tuple(config.stop))
+    def chat_requests(self, user_messages: list[str], config: GenerateConfig) -> list[Request]:
+        """`ddtree generate`'s requests: each message is one user turn."""
+        return [
+            self.request(self.render_chat([{"role": "user", "content": m}]), config.max_tokens, config.sampling,
+                         tuple(config.stop))
             for m in user_messages
         ]
-        return self.scheduler.generate(requests)
-
-    def verify_len(self, budget) -> int:
-        """Q: the verify rows a lone request at `budget` runs (its tree's rows, bucketed)."""
-        return bucket(self.coordinator.verify_len(budget)) if budget != 0 else 1

@@ -10,6 +10,7 @@ every tree node is offered the draw its position would get without speculation.
 
 from __future__ import annotations
 
+import secrets
 from typing import Protocol
 
 import torch
@@ -22,6 +23,7 @@ class SamplingLike(Protocol):
     top_k: int  # 0 or -1 = off
     top_p: float  # 1 = off
     min_p: float  # 0 = off
+    seed: int | None  # None = a random seed (draw_seed)
 
 
 def _splitmix64(x: int) -> int:
@@ -38,7 +40,16 @@ def uniform(seed: int, position: int) -> float:
 
 
 def is_greedy(params: SamplingLike) -> bool:
+    """The one rule for "this request draws nothing": temperature 0, or top-k 1."""
     return params.temperature == 0 or params.top_k == 1
+
+
+def draw_seed(params: SamplingLike) -> int | None:
+    """The seed a request's draws use: None when greedy (it draws nothing), the request's own
+    seed when it has one, else a fresh random 63-bit seed (reported back, so the run repeats)."""
+    if is_greedy(params):
+        return None
+    return params.seed if params.seed is not None else secrets.randbits(63)
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingLike) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The engine deployment: one replica = one model instance (target + drafter + Coordinator).
+"""The engine deployment: one replica = one model instance (target + drafter + step loop).
 
 Requests arrive as plain dicts from the ingress (already checked against the OpenAI schema);
 the replica renders and tokenizes them, checks them against the context, and streams events:
@@ -12,23 +12,23 @@ Requests join the engine's Scheduler (workers.scheduler): its steps -- every run
 in one target forward -- run on one worker thread, fed from the event loop by `BatchDriver`, so
 the loop stays free for health checks and new arrivals. A client that goes away cancels its
 sequence, which leaves the batch at the next step and frees its memory. The distributed engine
-(tp > 1) is driven the same way: its scheduler lives in the coordinator actor.
+(tp > 1) is driven the same way: its scheduler lives in the SchedulerActor (workers.distributed).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
 
 import torch
 
-from ..config import SamplingParams, parse_budget
+from ..config import SamplingParams
 from ..engine import Engine
-from ..workers.coordinator import Request, Update
+from ..kernels.sampling import draw_seed
+from ..workers.requests import Request, Update
 from ..workers.scheduler import QueueFull, Scheduler
 from .config import ServeConfig
 from .metrics import EngineMetrics
@@ -200,15 +200,11 @@ class EngineServer:
             min_p=body.get("min_p") or 0.0,
             seed=body.get("seed"),
         )
-        if sampling.temperature > 0 and sampling.top_k != 1 and sampling.seed is None:
-            sampling = sampling.model_copy(update={"seed": secrets.randbits(63)})
+        sampling = sampling.model_copy(update={"seed": draw_seed(sampling)})  # the start event reports it
         budget = body.get("budget")
         if budget is not None:
             try:
-                budget = parse_budget(budget)
-                if isinstance(budget, int) and budget > self.config.max_budget:
-                    raise ValueError(f"{budget} exceeds this server's max_budget of {self.config.max_budget}")
-                budget = self.engine.coordinator.check_budget(budget)
+                budget = self.engine.check_budget(budget, self.config.max_budget)
             except ValueError as err:
                 raise RequestError(str(err), "speculation.budget") from None
         return self.engine.request(prompt, max_tokens, sampling, tuple(body.get("stop") or ()), budget)
@@ -247,7 +243,7 @@ class EngineServer:
         try:
             # queued: the client hears back now, before the first token
             yield {"type": "start", "prompt_tokens": len(request.prompt),
-                   "seed": request.sampling.seed if request.sampling.temperature > 0 else None}
+                   "seed": request.sampling.seed}  # None when greedy (draw_seed)
             async for update in updates:
                 now = time.perf_counter()
                 if not started:

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from ddtree.config import SamplingParams
-from ddtree.workers.coordinator import Coordinator, Request
+from ddtree.workers.requests import Request
+from ddtree.workers.solo import SoloLoop
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.kv_pool import KVStorage, PageAllocator
 from ddtree.workers.model import KVCache
@@ -59,7 +60,7 @@ def test_every_request_of_a_mixed_batch_gets_its_solo_tokens(tiny_checkpoint, fa
     hf, target, _ = tiny_checkpoint(family, vocab)
     drafter = DFlashDrafter.untrained(target, block_size=4 if vocab == 2 else 8, seed=7)
     requests = mixed_requests(vocab, 12, seed=vocab)
-    solo = [Coordinator(target, drafter).generate([r])[0].tokens for r in requests]
+    solo = [SoloLoop.local(target, drafter).generate([r])[0].tokens for r in requests]
     for r, tokens in zip(requests, solo):
         if r.sampling.temperature == 0:
             assert tokens == hf_greedy(hf, r.prompt, MAX_TOKENS)
@@ -69,7 +70,7 @@ def test_every_request_of_a_mixed_batch_gets_its_solo_tokens(tiny_checkpoint, fa
     arrivals = [0, 0, 0, 1, 2, 2, 5, 9, 9, 14, 20, 31]  # joining while others run and leave
     runs = []
     for _ in range(2):
-        scheduler = Scheduler(target, drafter, 0, limits)
+        scheduler = Scheduler.local(target, drafter, 0, limits)
         runs.append(run_schedule(scheduler, requests, arrivals))
         assert scheduler.preemptions > 0, "the small pool forced a preemption"
         assert scheduler.pool.free_pages == scheduler.pool.num_pages, "every page came back"
@@ -86,7 +87,7 @@ def test_trees_of_every_size_padded_to_one_bucket(tiny_checkpoint):
     reference = hf_greedy(hf, prompt, MAX_TOKENS + 16)
     drafter = OracleDrafter(prompt + reference, 97, 8, accuracy=1.0)
     requests = [Request(prompt, MAX_TOKENS, budget=b) for b in (64, 0, "chain", 3)]
-    scheduler = Scheduler(target, drafter, 0, BatchLimits(max_step_tokens=4 * 65))
+    scheduler = Scheduler.local(target, drafter, 0, BatchLimits(max_step_tokens=4 * 65))
     results = scheduler.generate(requests)
     for request, result in zip(requests, results):
         assert result.tokens == reference[:MAX_TOKENS], request.budget
@@ -107,7 +108,7 @@ def test_granted_budget_is_what_the_rounds_ran_at(tiny_checkpoint):
     hf, target, _ = tiny_checkpoint("llama", 97)
     drafter = DFlashDrafter.untrained(target, block_size=8, seed=7)
     requests = [Request([1, 2, 3], 12, budget=64), Request([4], 12), Request([9, 9], 12, budget="chain")]
-    results = Scheduler(target, drafter, 0, BatchLimits(max_num_seqs=3, max_step_tokens=27)).generate(requests)
+    results = Scheduler.local(target, drafter, 0, BatchLimits(max_num_seqs=3, max_step_tokens=27)).generate(requests)
     assert results[0].tokens == hf_greedy(hf, [1, 2, 3], 12)
     assert all(r.budget <= 8 and r.tree_size <= 9 for r in results[0].rounds)
 
@@ -151,7 +152,7 @@ def test_a_pool_serves_more_requests_than_reservation_would(tiny_checkpoint):
     prompts = [[i, i + 1, i + 2, i + 3] for i in range(8)]
     firsts = [hf_greedy(hf, p, 3) for p in prompts]
     requests = [Request(p, 40, eos_token_ids=(f[2],)) for p, f in zip(prompts, firsts)]
-    scheduler = Scheduler(target, None, 0, BatchLimits(max_num_seqs=8, kv_cache_tokens=96, kv_page_tokens=4))
+    scheduler = Scheduler.local(target, None, 0, BatchLimits(max_num_seqs=8, kv_cache_tokens=96, kv_page_tokens=4))
     ids = [scheduler.add(r) for r in requests]
     done, first_step, step = {}, {}, 0
     while len(done) < len(ids):
@@ -176,7 +177,7 @@ def test_a_long_prompt_holds_up_a_short_request_by_one_chunk_per_step(tiny_check
     of prefill, fewest remaining tokens first: the short request's first token comes at the step
     after it arrives, and it decodes at every step while the long prompt is still being prefilled."""
     _, target, _ = tiny_checkpoint("llama", 97)
-    scheduler = Scheduler(target, None, 0, BatchLimits(max_prefill_tokens=8, kv_cache_tokens=256, kv_page_tokens=4))
+    scheduler = Scheduler.local(target, None, 0, BatchLimits(max_prefill_tokens=8, kv_cache_tokens=256, kv_page_tokens=4))
     long_id = scheduler.add(Request(list(range(1, 41)), 4))  # 40 tokens: 5 chunks of 8
     scheduler.step()  # its first chunk
     short_id = scheduler.add(Request([7, 8, 9], 8))
@@ -194,7 +195,7 @@ def test_a_long_prompt_holds_up_a_short_request_by_one_chunk_per_step(tiny_check
 
 def test_cancel_frees_the_sequence_at_the_next_step(tiny_checkpoint):
     _, target, _ = tiny_checkpoint("llama", 97)
-    scheduler = Scheduler(target, None, 0, BatchLimits(kv_cache_tokens=256, kv_page_tokens=4))
+    scheduler = Scheduler.local(target, None, 0, BatchLimits(kv_cache_tokens=256, kv_page_tokens=4))
     gone, stays = scheduler.add(Request([1, 2, 3], 50)), scheduler.add(Request([4, 5], 5))
     scheduler.step()
     assert len(scheduler.running) == 2
@@ -209,7 +210,7 @@ def test_a_full_queue_refuses_and_a_prompt_larger_than_the_pool_is_an_error(tiny
     the arrivals yet (a regression: two requests arriving between steps counted as two waiting,
     so an engine with 2 places and a queue of 1 refused its second request)."""
     _, target, _ = tiny_checkpoint("llama", 97)
-    scheduler = Scheduler(target, None, 0, BatchLimits(max_num_seqs=2, max_waiting=1, kv_cache_tokens=64, kv_page_tokens=4))
+    scheduler = Scheduler.local(target, None, 0, BatchLimits(max_num_seqs=2, max_waiting=1, kv_cache_tokens=64, kv_page_tokens=4))
     for token in (1, 2, 3):
         scheduler.add(Request([token], 4))
     with pytest.raises(QueueFull):
@@ -269,9 +270,9 @@ def test_a_smollm2_batch_gives_plain_decoding_up_to_near_ties(smollm2):
         prompt = tok.encode(rendered, add_special_tokens=False)
         sampling = SamplingParams(temperature=0.7, top_p=0.9, seed=100 + i) if i % 2 else SamplingParams()
         requests.append(Request(prompt, 32, eos_token_ids=eos, sampling=sampling, budget=[0, "chain", 8, 16, 64, 16][i]))
-    plain = [Coordinator(model).generate([Request(r.prompt, r.max_tokens, eos_token_ids=eos, sampling=r.sampling)])[0]
+    plain = [SoloLoop.local(model).generate([Request(r.prompt, r.max_tokens, eos_token_ids=eos, sampling=r.sampling)])[0]
              for r in requests]
-    scheduler = Scheduler(model, drafter, 0, BatchLimits(max_prefill_tokens=32, kv_cache_tokens=4096))
+    scheduler = Scheduler.local(model, drafter, 0, BatchLimits(max_prefill_tokens=32, kv_cache_tokens=4096))
     batched = scheduler.generate(requests)
     failures = []
     for i, (req, ref, got) in enumerate(zip(requests, plain, batched)):

@@ -42,6 +42,6 @@ def test_auto_measures_once_per_machine_and_stays_lossless(tiny_chat_model, tmp_
     assert again.budget == first.budget
 
     prompt = again.render_chat([{"role": "user", "content": "hello"}])
-    auto = again.coordinator.generate([again.request(prompt, 12, SamplingParams())])[0]
-    plain = again.coordinator.generate([again.request(prompt, 12, SamplingParams(), budget=0)])[0]
+    auto = again.generate([again.request(prompt, 12, SamplingParams())])[0]
+    plain = again.generate([again.request(prompt, 12, SamplingParams(), budget=0)])[0]
     assert auto.tokens == plain.tokens

@@ -1,10 +1,10 @@
-"""The distributed engine on a real local Ray cluster: a Coordinator actor, a Drafter actor and
+"""The distributed engine on a real local Ray cluster: a SchedulerActor, a Drafter actor and
 TargetShard actors summing over gloo, in one placement group.
 
 TP=2 must give TP=1's tokens: exactly on a tiny float64 model (its vocabulary of 97 splits
 unevenly, 49 + 48 ids), and on SmolLM2-135M fp32 (3 key-value heads: 2 + 1) up to the tie rule
-(tests/ties.py), greedy and seeded, at budgets 0, chain and 16. A batch through the coordinator
-actor's Scheduler at TP=2 must give the in-process Scheduler's tokens for the same batch.
+(tests/ties.py), greedy and seeded, at budgets 0, chain and 16. A batch through the
+SchedulerActor's Scheduler at TP=2 must give the in-process Scheduler's tokens for the same batch.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import pytest
 import ray
 
 from ddtree.config import SamplingParams
-from ddtree.workers.coordinator import Coordinator, Request
-from ddtree.workers.distributed import DistributedEngine, WorkerDiedError, WorkerSpec
+from ddtree.workers.requests import Request
+from ddtree.workers.solo import SoloLoop
+from ddtree.workers.distributed import RayInstance, WorkerDiedError, WorkerSpec
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.model import ModelConfig
 from ddtree.workers.scheduler import BatchLimits, Scheduler
@@ -60,7 +61,7 @@ def test_shard_specs_cover_every_head_column_and_id_once():
 @pytest.fixture(scope="module")
 def tiny_engines(ray_cluster, tiny_checkpoint):
     hf, model, directory = tiny_checkpoint("llama", 97)
-    engines = {tp: DistributedEngine(spec_for(directory, tp)) for tp in (1, 2)}
+    engines = {tp: RayInstance(spec_for(directory, tp)) for tp in (1, 2)}
     yield hf, model, engines
     for engine in engines.values():
         engine.shutdown()
@@ -77,12 +78,12 @@ def test_tp2_equals_tp1_exactly_on_a_tiny_float64_model(tiny_engines, budget):
         assert tp2[0].tokens == tp1[0].tokens == hf_greedy(hf, prompt, 24)
         assert tp2[1].tokens == tp1[1].tokens
         # the in-process engine, same drafter, same seed: the same tokens again
-        local = Coordinator(model, DFlashDrafter.untrained(model, block_size=8), budget).generate([seeded])[0]
+        local = SoloLoop.local(model, DFlashDrafter.untrained(model, block_size=8), budget).generate([seeded])[0]
         assert tp2[1].tokens == local.tokens
 
 
 def test_a_tp2_batch_gives_the_in_process_batchs_tokens(ray_cluster, tiny_checkpoint):
-    """The same arrival schedule through the coordinator actor's Scheduler (two shards, the
+    """The same arrival schedule through the SchedulerActor's Scheduler (two shards, the
     drafter in its own actor, steps driven one remote call at a time as the Serve deployment
     drives them) and through the in-process Scheduler: the same tokens for every request. The
     batch mixes budgets 0 / chain / 1 / 8 / 16 / 64, greedy and seeded rows, prompts of 1 to 39
@@ -91,10 +92,10 @@ def test_a_tp2_batch_gives_the_in_process_batchs_tokens(ray_cluster, tiny_checkp
     limits = BatchLimits(max_num_seqs=5, max_prefill_tokens=8, max_step_tokens=160, kv_cache_tokens=160, kv_page_tokens=4)
     requests = mixed_requests(97, 9, seed=97)
     arrivals = [0, 0, 0, 1, 2, 2, 5, 9, 14]
-    local = Scheduler(model, DFlashDrafter.untrained(model, block_size=8), 0, limits)
+    local = Scheduler.local(model, DFlashDrafter.untrained(model, block_size=8), 0, limits)
     expected = run_schedule(local, requests, arrivals)
     assert local.preemptions > 0, "the small pool forced a preemption"
-    engine = DistributedEngine(spec_for(directory, 2), limits=limits)
+    engine = RayInstance(spec_for(directory, 2), limits=limits)
     try:
         got = run_schedule(engine.scheduler, requests, arrivals)
         stats = engine.scheduler.stats()
@@ -128,7 +129,7 @@ def test_the_configs_placement_is_the_placement_group_the_engine_makes(ray_clust
 
     placement = {"bundles": [{"CPU": 2}, {"CPU": 1}], "strategy": "STRICT_PACK"}
     config = ModelPairConfig(model=str(tiny_chat_model), budget=0, block_size=4, tp=2, threads=1, placement=placement)
-    distributed = Engine.from_config(config).coordinator
+    distributed = Engine.from_config(config).instance
     try:
         table = ray.util.placement_group_table(distributed.group)
         assert table["strategy"] == "STRICT_PACK"
@@ -143,7 +144,7 @@ def test_the_configs_placement_is_the_placement_group_the_engine_makes(ray_clust
 def test_a_killed_shard_ends_its_request_with_a_clear_error_and_the_next_one_succeeds(tiny_engines):
     """A TargetShard dying mid-generation must not hang the request (its peer waits in a
     collective that will never complete) nor poison the next one: the request fails with
-    WorkerDiedError naming the dead shard, and the coordinator starts fresh workers."""
+    WorkerDiedError naming the dead shard, and the SchedulerActor starts fresh workers."""
     hf, _, engines = tiny_engines
     engine = engines[2]
     prompt = [5, 6, 7]
@@ -158,7 +159,7 @@ def test_a_killed_shard_ends_its_request_with_a_clear_error_and_the_next_one_suc
     killer = threading.Thread(target=kill_soon)
     killer.start()
     # Shard 1's death is reported, not shard 0's collective timing out waiting for it (which is
-    # what a coordinator that waited on every shard in turn would report, minutes later).
+    # what a SchedulerActor that waited on every shard in turn would report, minutes later).
     with pytest.raises(WorkerDiedError, match="target shard 1"):
         engine.generate([long])
     killer.join()
@@ -166,24 +167,22 @@ def test_a_killed_shard_ends_its_request_with_a_clear_error_and_the_next_one_suc
     assert again.tokens == hf_greedy(hf, prompt, 12)
 
 
-def test_workers_dying_in_a_single_request_stream_end_the_batch_with_an_error(tiny_engines):
-    """The coordinator actor runs both loops over the same workers. Regression guard: when they
-    died under a single-request stream (bench, calibrate), the batch's Scheduler went with them
-    and its next step answered "no work" -- a request waiting in it would never end. Now that
-    step raises WorkerDiedError, and the batch runs on fresh workers afterwards."""
+def test_workers_dying_under_a_stepped_batch_end_it_with_an_error_and_the_next_batch_runs(tiny_engines):
+    """The Serve deployment's path: a RemoteScheduler stepped one call at a time. A shard that
+    dies between steps makes the next step raise WorkerDiedError (it must not answer "no work":
+    a request waiting in the batch would never end); after abort_all the batch is empty and
+    the next request runs on fresh workers, with the target's own tokens."""
     hf, _, engines = tiny_engines
     engine = engines[2]
     prompt = [5, 6, 7]
     remote = engine.scheduler
-    remote.add(Request(prompt, 8))  # waits in the batch: no step has run it yet
+    remote.add(Request(prompt, 400, budget=16))
+    remote.step()  # workers up, the request prefilled
     shard = ray.get(engine.actor.worker_handles.remote())["target shard 0"]
-    updates = engine.stream(Request(prompt, 400, budget=16))
-    next(updates)
     ray.kill(shard, no_restart=True)
-    with pytest.raises(WorkerDiedError):
-        list(updates)
-    with pytest.raises(WorkerDiedError, match="single-request stream"):
-        remote.step()
+    with pytest.raises(WorkerDiedError, match="target shard"):
+        while True:
+            remote.step()
     remote.abort_all()
     assert not remote.has_work
     assert engine.generate([Request(prompt, 6)])[0].tokens == hf_greedy(hf, prompt, 6)
@@ -197,8 +196,8 @@ def test_tp2_equals_tp1_on_smollm2(ray_cluster, smollm2):
     from ddtree.engine import shipped_drafter
 
     drafter_dir = shipped_drafter()
-    local = Coordinator(smollm2.model, DFlashDrafter.load(drafter_dir, smollm2.model))
-    engine = DistributedEngine(spec_for(smollm2.directory, 2, "float32", str(drafter_dir)))
+    local = SoloLoop.local(smollm2.model, DFlashDrafter.load(drafter_dir, smollm2.model))
+    engine = RayInstance(spec_for(smollm2.directory, 2, "float32", str(drafter_dir)))
     tok = smollm2.tokenizer
     # one prompt greedy, another seeded; every budget
     cases = [("What is 17 times 23? Think step by step.", SamplingParams()),

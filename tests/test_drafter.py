@@ -204,12 +204,13 @@ def test_a_restricted_drafter_stays_lossless(tiny_checkpoint):
     """The draft vocabulary shapes the trees, never the output: greedy generation through a
     drafter that cannot propose most tokens equals plain decoding, at every budget."""
     from ddtree.config import SamplingParams
-    from ddtree.workers.coordinator import Coordinator, Request
+    from ddtree.workers.requests import Request
+    from ddtree.workers.solo import SoloLoop
 
     _, target, _ = tiny_checkpoint("llama")
     drafter = DFlashDrafter.untrained(target, block_size=4, seed=1)
     drafter.set_draft_vocab(torch.arange(0, 97, 3))
     request = Request([5, 9, 2, 33, 7], 24, sampling=SamplingParams())
-    plain = Coordinator(target).generate([request])[0].tokens
+    plain = SoloLoop.local(target).generate([request])[0].tokens
     for budget in ["chain", 6, 16]:
-        assert Coordinator(target, drafter, budget).generate([request])[0].tokens == plain
+        assert SoloLoop.local(target, drafter, budget).generate([request])[0].tokens == plain

@@ -201,19 +201,20 @@ def test_engine_on_the_kernel_path_gives_the_reference_path_tokens(tmp_path, mon
     from ddtree.config import SamplingParams
     from ddtree.workers import model as model_module
     from ddtree.workers import sessions
-    from ddtree.workers.coordinator import Coordinator, Request
+    from ddtree.workers.requests import Request
+    from ddtree.workers.solo import SoloLoop
     from ddtree.workers.drafter import DFlashDrafter
     from ddtree.workers.loading import load_target_weights
 
-    from .conftest import make_hf_model
+    from .helpers import make_hf_model
 
     make_hf_model("qwen3", 97, head_dim=16).save_pretrained(tmp_path)  # a kernel tile is >= 16 wide
     target = load_target_weights(tmp_path, torch.float32)
     drafter = DFlashDrafter.untrained(target, block_size=4)
     requests = [Request([5, 6, 7, 8], 10, budget=budget),
                 Request([9, 3], 10, sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=4), budget=budget)]
-    reference = Coordinator(target, drafter).generate(requests)
+    reference = SoloLoop.local(target, drafter).generate(requests)
     for module in (sessions, model_module, batched):
         monkeypatch.setattr(module, "use_triton", lambda t: True)
-    kernels = Coordinator(target, drafter).generate(requests)
+    kernels = SoloLoop.local(target, drafter).generate(requests)
     assert [r.tokens for r in kernels] == [r.tokens for r in reference]

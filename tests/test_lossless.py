@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.workers.coordinator import Coordinator, Request
+from ddtree.workers.requests import Request
+from ddtree.workers.solo import SoloLoop
 from ddtree.workers.drafter import DFlashDrafter
 
 from .helpers import hf_greedy
@@ -51,7 +52,7 @@ def test_greedy_output_equals_plain_decoding(cases, family, vocab, block, kind, 
     target, prompt, reference = cases(family, vocab, block)
     drafter = make_drafter(kind, target, prompt + reference, vocab, block)
     request = Request(prompt=prompt, max_tokens=MAX_TOKENS)
-    runs = [Coordinator(target, drafter, budget).generate([request])[0] for _ in range(2)]
+    runs = [SoloLoop.local(target, drafter, budget).generate([request])[0] for _ in range(2)]
     assert runs[0].tokens == reference[:MAX_TOKENS]
     assert runs[1].tokens == runs[0].tokens, "repeated runs give identical tokens"
     assert runs[0].finish_reason == "length"
@@ -64,7 +65,7 @@ def test_perfect_drafter_accepts_the_whole_block(cases, budget):
     block = 8
     target, prompt, reference = cases("llama", 97, block)
     drafter = OracleDrafter(prompt + reference, 97, block, accuracy=1.0)
-    result = Coordinator(target, drafter, budget).generate([Request(prompt, max_tokens=MAX_TOKENS)])[0]
+    result = SoloLoop.local(target, drafter, budget).generate([Request(prompt, max_tokens=MAX_TOKENS)])[0]
     assert [r.accepted for r in result.rounds] == [block - 1] * 5
     assert result.tau == block
 
@@ -78,8 +79,8 @@ def test_padded_and_unpadded_verify_agree_where_trees_run_dry(cases):
     target, prompt, reference = cases("llama", vocab, block)
     drafter = OracleDrafter(prompt + reference, vocab, block, accuracy=0.5)
     request = Request(prompt=prompt, max_tokens=MAX_TOKENS)
-    padded = Coordinator(target, drafter, budget, static_shapes=True).generate([request])[0]
-    unpadded = Coordinator(target, drafter, budget, static_shapes=False).generate([request])[0]
+    padded = SoloLoop.local(target, drafter, budget, static_shapes=True).generate([request])[0]
+    unpadded = SoloLoop.local(target, drafter, budget, static_shapes=False).generate([request])[0]
     assert all(r.tree_size < budget + 1 for r in padded.rounds), "every round ran padded"
     assert padded.tokens == unpadded.tokens == reference[:MAX_TOKENS]
 
@@ -89,12 +90,12 @@ def test_stops_at_eos_and_stop_strings(cases):
     drafter = OracleDrafter(prompt + reference, 97, 8, accuracy=0.5)
     eos = reference[10]
     cut = reference.index(eos)
-    result = Coordinator(target, drafter, 16).generate([Request(prompt, 40, eos_token_ids=(eos,))])[0]
+    result = SoloLoop.local(target, drafter, 16).generate([Request(prompt, 40, eos_token_ids=(eos,))])[0]
     assert result.tokens == reference[: cut + 1] and result.finish_reason == "stop"
 
     decode = lambda ids: " ".join(map(str, ids))  # noqa: E731
     stop = f" {reference[5]} {reference[6]}"
-    result = Coordinator(target, drafter, 16, decode=decode).generate([Request(prompt, 40, stop=(stop,))])[0]
+    result = SoloLoop.local(target, drafter, 16, decode=decode).generate([Request(prompt, 40, stop=(stop,))])[0]
     full = decode(reference[:40])
     assert result.finish_reason == "stop"
     assert result.text == full[: full.index(stop)]
@@ -104,6 +105,6 @@ def test_stops_at_eos_and_stop_strings(cases):
 def test_rejects_bad_requests(cases):
     target, *_ = cases("llama", 97, 8)
     with pytest.raises(ValueError, match="needs a drafter"):
-        Coordinator(target, None, 16)
+        SoloLoop.local(target, None, 16)
     with pytest.raises(ValueError, match="prompt is empty"):
-        Coordinator(target).generate([Request(prompt=[])])
+        SoloLoop.local(target).generate([Request(prompt=[])])

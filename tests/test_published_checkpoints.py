@@ -304,7 +304,7 @@ def test_greedy_through_the_engine_equals_transformers(pair):
     reference = copy.deepcopy(hf).to(getattr(torch, dtype)).to(DEVICE)  # the fixture's model stays fp64 on CPU
     want = hf_greedy(reference, prompt, 40) if DEVICE == "cpu" else None
     for budget in ("chain", 4, 16, 40):
-        result = engine.coordinator.generate([engine.request(prompt, 40, SamplingParams(), budget=budget)])[0]
+        result = engine.generate([engine.request(prompt, 40, SamplingParams(), budget=budget)])[0]
         if want is None:  # hf_greedy on CUDA: the same recompute, on the device
             with torch.no_grad():
                 ids, want = torch.tensor([prompt], device=DEVICE), []
@@ -353,7 +353,7 @@ def test_a_qwen3_target_renders_without_thinking_by_default(pair, tmp_path):
 def test_training_renders_prompts_as_the_engine_serves_them(pair):
     """A drafter trained by ddtree for a Qwen3 target learns from non-thinking prompts, the
     ones the engine will serve it (the same default, default_chat_template_kwargs)."""
-    from ddtree.training import reference_continuations
+    from ddtree.training.evaluate import reference_continuations
     from ddtree.workers.loading import load_target
 
     _, target_dir, _, _ = pair

@@ -13,7 +13,8 @@ import torch
 from ddtree.config import SamplingParams
 from ddtree.kernels import sampling
 from ddtree.kernels.sampling import inverse_cdf, processed_probs, uniform
-from ddtree.workers.coordinator import Coordinator, Request
+from ddtree.workers.requests import Request
+from ddtree.workers.solo import SoloLoop
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.loading import load_target_weights
 
@@ -112,7 +113,7 @@ def test_seeded_output_equals_plain_seeded_sampling(sampled_cases, vocab, block,
     }
     request = Request(prompt, MAX_TOKENS, sampling=params)
     for (name, drafter), budget in itertools.product(drafters.items(), BUDGETS):
-        result = Coordinator(target, drafter, budget).generate([request])[0]
+        result = SoloLoop.local(target, drafter, budget).generate([request])[0]
         assert result.tokens == reference[:MAX_TOKENS], (name, budget)
         assert result.seed == params.seed
         if name == "perfect" and budget not in (0, 4):
@@ -123,18 +124,18 @@ def test_unseeded_request_reports_a_seed_that_reproduces_it(tiny_checkpoint):
     _, target, _ = tiny_checkpoint("llama")
     drafter = DFlashDrafter.untrained(target, block_size=4)
     request = Request([1, 2, 3], 20, sampling=SamplingParams(temperature=1.0))
-    first = Coordinator(target, drafter, 16).generate([request])[0]
+    first = SoloLoop.local(target, drafter, 16).generate([request])[0]
     assert first.seed is not None
     again = Request([1, 2, 3], 20, sampling=SamplingParams(temperature=1.0, seed=first.seed))
-    assert Coordinator(target).generate([again])[0].tokens == first.tokens
-    other = Coordinator(target, drafter, 16).generate([request])[0]
+    assert SoloLoop.local(target).generate([again])[0].tokens == first.tokens
+    other = SoloLoop.local(target, drafter, 16).generate([request])[0]
     assert other.seed != first.seed
 
 
 def test_temperature_zero_ignores_the_seed_and_top_k_1_is_greedy(tiny_checkpoint):
     _, target, _ = tiny_checkpoint("llama")
     drafter = DFlashDrafter.untrained(target, block_size=4)
-    greedy = Coordinator(target).generate([Request([5, 6, 7], 30)])[0].tokens
+    greedy = SoloLoop.local(target).generate([Request([5, 6, 7], 30)])[0].tokens
     for params in (
         SamplingParams(temperature=0.0, seed=1),
         SamplingParams(temperature=0.0, seed=2),
@@ -142,9 +143,9 @@ def test_temperature_zero_ignores_the_seed_and_top_k_1_is_greedy(tiny_checkpoint
         SamplingParams(temperature=1.0, top_p=1e-9, seed=4),
     ):
         for budget in (0, 16):
-            result = Coordinator(target, drafter, budget).generate([Request([5, 6, 7], 30, sampling=params)])[0]
+            result = SoloLoop.local(target, drafter, budget).generate([Request([5, 6, 7], 30, sampling=params)])[0]
             assert result.tokens == greedy, params
-    assert Coordinator(target).generate([Request([5, 6, 7], 3, sampling=SamplingParams(seed=9))])[0].seed is None
+    assert SoloLoop.local(target).generate([Request([5, 6, 7], 3, sampling=SamplingParams(seed=9))])[0].seed is None
 
 
 # --- distribution ---------------------------------------------------------------------------
@@ -210,11 +211,11 @@ def _draw(n: int) -> dict:
     torch.set_num_threads(1)
     target, budget = _JOB
     drafter = DFlashDrafter.untrained(target, block_size=4, seed=1) if budget else None
-    coordinator = Coordinator(target, drafter, budget)
+    solo = SoloLoop.local(target, drafter, budget)
     request = Request([1, 4, 2], FIRST, sampling=SamplingParams(temperature=1.0))
     counts: dict = {}
     for _ in range(n):
-        key = tuple(coordinator.generate([request])[0].tokens)
+        key = tuple(solo.generate([request])[0].tokens)
         counts[key] = counts.get(key, 0) + 1
     return counts
 

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from ddtree.config import SamplingParams
-from ddtree.workers.coordinator import Coordinator, Request
+from ddtree.workers.requests import Request
+from ddtree.workers.solo import SoloLoop
 
 from .drafters import OracleDrafter
 from .ties import CDF_TIE, LOGIT_TIE, tie_gap
@@ -54,7 +55,7 @@ def vicuna_requests(smollm2):
 @pytest.fixture(scope="module")
 def plain_decoding(smollm2, vicuna_requests):
     """Budget 0 (no drafter, one token per step) for each mode, computed once."""
-    return {mode: Coordinator(smollm2.model).generate(reqs) for mode, reqs in vicuna_requests.items()}
+    return {mode: SoloLoop.local(smollm2.model).generate(reqs) for mode, reqs in vicuna_requests.items()}
 
 
 @pytest.mark.smollm2
@@ -66,7 +67,7 @@ def test_speculation_equals_plain_decoding_on_smollm2(smollm2, vicuna_requests, 
     failures, rounds, emitted = [], 0, 0
     for i, (req, ref) in enumerate(zip(vicuna_requests[mode], plain_decoding[mode])):
         drafter = OracleDrafter(req.prompt + ref.tokens, vocab, 8, 0.6, seed=i)
-        got = Coordinator(model, drafter, budget).generate([req])[0]
+        got = SoloLoop.local(model, drafter, budget).generate([req])[0]
         rounds, emitted = rounds + len(got.rounds), emitted + len(got.tokens) - 1
         assert got.seed == ref.seed
         diverged = next((j for j, (a, b) in enumerate(zip(ref.tokens, got.tokens)) if a != b), None)

@@ -22,14 +22,12 @@ from typing import Protocol
 
 import torch
 
-from ..config import GREEDY, SamplingParams
-from ..kernels.batched import sampled_choices, topk_logprobs
+from ..config import SamplingParams
+from ..kernels.batched import topk_logprobs
 from ..kernels.triton_support import use_triton
-from ..kernels.sampling import is_greedy, processed_probs
 from ..kernels.tree import Candidates
 from .kv_pool import KVStorage
 from .model import TargetModel, TreeBits
-from .tensor_parallel import TensorParallel, choose
 
 
 @dataclass
@@ -93,31 +91,6 @@ class BatchDrafter(Protocol):
         """Drops the sequence's context cache (it finished, or was preempted)."""
 
 
-def choose_rows(parallel, logits: torch.Tensor, sampling: list[SamplingParams], seeds: list[int | None],
-                draw_positions: torch.Tensor) -> torch.Tensor:
-    """[B, K] the target's token at every kept row, each row by its own rule: the argmax when
-    greedy, else the seeded draw for the position the token takes (kernels.sampling's rule,
-    batched). logits [B, K, V] in one process; on a tensor-parallel shard [B, K, V_local], and
-    every shard returns the same: greedy rows gather one (value, id) per node between the
-    shards (tensor_parallel.choose), a seeded row gathers its logits.
-
-    Example: rows (greedy, seed 7), K = 2 -> row 0 is logits[0].argmax(-1); row 1 is the
-    inverse-CDF draw of processed_probs(logits[1]) at u(7, draw_positions[1, k]) for k = 0, 1.
-    """
-    b, k, _ = logits.shape
-    choices = torch.empty((b, k), dtype=torch.int64, device=logits.device)
-    greedy = [r for r in range(b) if is_greedy(sampling[r])]
-    if greedy:
-        nodes = logits[greedy].reshape(len(greedy) * k, logits.shape[-1])
-        choices[greedy] = choose(parallel, nodes, GREEDY, None, []).view(len(greedy), k).to(logits.device)
-    for r in sorted(set(range(b)) - set(greedy)):
-        full = parallel.gather_vocab(logits[r]) if isinstance(parallel, TensorParallel) else logits[r]
-        probs = processed_probs(full, sampling[r])
-        seed = torch.tensor([seeds[r]], dtype=torch.int64, device=logits.device)
-        choices[r] = sampled_choices(probs[None], seed, draw_positions[r : r + 1].to(logits.device))[0]
-    return choices
-
-
 class LocalBatchTarget:
     """A TargetModel (the whole model, or one tensor-parallel shard of it) and its KV storage
     in this process."""
@@ -137,10 +110,9 @@ class LocalBatchTarget:
     def forward(self, batch: TargetBatch) -> TargetStep:
         t0 = time.perf_counter()
         dev = self.model.device
-        mask = TreeBits(batch.mask.bits.to(dev)) if isinstance(batch.mask, TreeBits) else batch.mask.to(dev)
-        out = self.model(batch.tokens.to(dev), batch.positions.to(dev), mask,
+        out = self.model(batch.tokens.to(dev), batch.positions.to(dev), batch.mask.to(dev),
                          self.storage.batch(batch.tables, batch.lengths), batch.capture, batch.logits_to_keep)
-        choices = choose_rows(self.model.parallel, out.logits, batch.sampling, batch.seeds, batch.draw_positions)
+        choices = self.model.parallel.choose_rows(out.logits, batch.sampling, batch.seeds, batch.draw_positions)
         return TargetStep(choices, out.features, time.perf_counter() - t0)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -172,12 +144,3 @@ class LocalBatchDrafter:
 
     def close(self, seq_id: int) -> None:
         self.caches.pop(seq_id, None)
-
-
-def as_batch_target(target) -> BatchTarget:
-    return LocalBatchTarget(target) if isinstance(target, TargetModel) else target
-
-
-def as_batch_drafter(drafter) -> BatchDrafter | None:
-    """A Proposer is wrapped in a LocalBatchDrafter; a BatchDrafter (or None) stays as it is."""
-    return drafter if drafter is None or hasattr(drafter, "propose") else LocalBatchDrafter(drafter)

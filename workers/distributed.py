@@ -1,36 +1,27 @@
-"""The distributed engine: the Coordinator as a Ray actor, driving a Drafter actor and
-TargetShard actors (tensor parallelism over torch.distributed), all in one placement group.
+"""The distributed engine: the Scheduler's step loop in a Ray actor, driving a Drafter actor
+and TargetShard actors (tensor parallelism over torch.distributed), all in one placement group.
 
-    driver ── DistributedEngine ──> CoordinatorWorker (actor, bundle 0)
-                                      ├── DrafterWorker (actor, bundle 0)
-                                      └── TargetShardWorker × TP (actor r in bundle r),
-                                          summing over gloo (CPU) or NCCL (GPU)
+    driver ── RayInstance ──> SchedulerActor (actor, bundle 0)
+                                ├── DrafterWorker (actor, bundle 0)
+                                └── TargetShardWorker × TP (actor r in bundle r),
+                                    summing over gloo (CPU) or NCCL (GPU)
 
-The coordinator actor runs both loops of the in-process engine, over backends whose calls go
-to the actors; the algorithm is the same code, only transport differs:
+The SchedulerActor runs workers.scheduler.Scheduler -- the same step loop as in process -- over
+a ShardedBatchTarget and a RemoteBatchDrafter, whose calls go to the actors (`generate`, and
+`add` / `cancel` / `step` for the Serve deployment through `RemoteScheduler`). Per step that is
+one drafter call for every drafting sequence (returning Candidates, not [R, D, V] log-probs),
+one forward call per shard over every sequence's tree (each shard holds the KV storage of its
+own heads; the page allocator stays in the SchedulerActor; the choices come back, made on the
+shards; the previous step's KV moves of the accepted paths travel with it). Full-vocabulary
+logits never leave the shards.
 
-- the batch (`generate`, and `add` / `cancel` / `step` for the Serve deployment through
-  `RemoteScheduler`): workers.scheduler.Scheduler over a ShardedBatchTarget and a
-  RemoteBatchDrafter. Per step that is one drafter call for every drafting sequence (returning
-  Candidates, not [R, D, V] log-probs), one forward call per shard over every sequence's tree
-  (each shard holds the KV storage of its own heads; the page allocator stays in the
-  coordinator; the choices come back, made on the shards; the previous step's KV moves of the
-  accepted paths travel with it).
-- one request at a time (`stream`, used by bench and calibrate): workers.coordinator.Coordinator
-  with per-request sessions; per round one drafter call and one call per shard (returning the
-  accepted path, its tokens and, from shard 0, its features). The time the calls cost beyond
-  the workers' own compute is reported per round as `transport_s`.
-
-Full-vocabulary logits never leave the shards.
-
-If a worker dies, the request it was serving ends with WorkerDiedError, and the next request
-runs on fresh workers (the coordinator kills and recreates all of them: a process group cannot
-lose a member and go on).
+If a worker dies, the requests of the batch end with WorkerDiedError, and the next request
+runs on fresh workers (the SchedulerActor kills and recreates all of them: a process group
+cannot lose a member and go on).
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import socket
 import threading
@@ -45,23 +36,22 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from ..config import Placement, SamplingParams
-from ..kernels.tree import Candidates, Tree
+from ..config import Placement
+from ..kernels.tree import Candidates
 from .batch_backends import DraftRows, LocalBatchDrafter, LocalBatchTarget, TargetBatch, TargetStep
-from .coordinator import Budget, Coordinator, Request, Result, Update, check_budget
+from .requests import Budget, Request, Result, Update, check_budget
 from .drafter import DFlashConfig, DFlashDrafter
 from .loading import load_target_heads, load_target_weights, load_tokenizer
 from .model import ModelConfig
 from .scheduler import BatchLimits, Scheduler
-from .sessions import DraftSession, Proposal, Step, TargetSession
 from .tensor_parallel import ShardSpec, TensorParallel
 
 PROCESS_GROUP_TIMEOUT_S = 120  # a collective waiting longer than this for a dead peer fails
 PLACEMENT_TIMEOUT_S = 120  # how long a model instance waits for its placement group
-COORDINATOR_CPUS = 0.25  # of bundle 0 (shard 0 takes the rest of it)
+SCHEDULER_CPUS = 0.25  # of bundle 0 (shard 0 takes the rest of it)
 DRAFTER_CPUS = 0.25  # of bundle 0
 DRAFTER_GPU_SHARE = 0.1  # of bundle 0's GPUs (the drafter shares shard 0's GPU)
-ARRIVALS = "arrivals"  # the CoordinatorWorker's concurrency group of `add` and `cancel` (one thread)
+ARRIVALS = "arrivals"  # the SchedulerActor's concurrency group of `add` and `cancel` (one thread)
 
 
 class WorkerDiedError(RuntimeError):
@@ -85,17 +75,16 @@ def _device(spec: WorkerSpec, rank: int = 0) -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-# --- the workers (plain classes, made Ray actors by DistributedEngine) -----------------------
+# --- the workers (plain classes, made Ray actors by RayInstance) -----------------------
 
 
 class TargetShardWorker:
-    """Shard `rank` of the target and the KV caches of its requests."""
+    """Shard `rank` of the target and its part of the KV storage (its heads)."""
 
     def __init__(self, spec: WorkerSpec, rank: int):
         torch.set_num_threads(spec.threads_per_worker)
         self.spec, self.rank = spec, rank
         self.device = _device(spec, rank)
-        self.sessions: dict[int, TargetSession] = {}
         self.model = None
         self.batch: LocalBatchTarget | None = None  # the Scheduler's side: this shard's KV storage
 
@@ -123,18 +112,7 @@ class TargetShardWorker:
         parallel = TensorParallel(ShardSpec.of(config, self.spec.tp, self.rank))
         self.model = load_target_weights(directory, getattr(torch, self.spec.dtype), parallel).to(self.device)
 
-    def prefill(self, rid: int, slots: int, capture: tuple[int, ...], q_len: int, static_shapes: bool,
-                prompt: list[int], sampling: SamplingParams, seed: int | None) -> Step:
-        self.sessions[rid] = TargetSession(self.model, slots, capture, q_len, static_shapes)
-        return self._reply(self.sessions[rid].prefill(prompt, sampling, seed))
-
-    def verify(self, rid: int, tree: Tree, sampling: SamplingParams, seed: int | None) -> Step:
-        return self._reply(self.sessions[rid].verify(tree, sampling, seed))
-
-    def close(self, rid: int) -> None:
-        self.sessions.pop(rid, None)
-
-    # the batch (workers.batch_backends.BatchTarget, this shard's part of it)
+    # workers.batch_backends.BatchTarget, this shard's part of it
 
     def allocate(self, num_pages: int, page: int) -> None:
         self.batch = LocalBatchTarget(self.model)
@@ -150,14 +128,6 @@ class TargetShardWorker:
         step.features = step.features.cpu() if self.rank == 0 and step.features is not None else None
         return step
 
-    def _reply(self, step: Step) -> Step:
-        if self.rank > 0:
-            step.features = None  # every shard has the same features; shard 0 sends them
-        elif step.features is not None:
-            step.features = step.features.cpu()
-        return step
-
-
 class DrafterWorker:
     """The DFlash drafter with the target's embedding and LM head (not its layers)."""
 
@@ -169,7 +139,6 @@ class DrafterWorker:
             if spec.drafter_dir
             else DFlashDrafter.untrained(heads, block_size=spec.block_size)
         )
-        self.sessions: dict[int, DraftSession] = {}
         self.rows = LocalBatchDrafter(self.drafter)  # the Scheduler's sequences' caches
 
     def ready(self) -> bool:
@@ -178,15 +147,7 @@ class DrafterWorker:
     def shape(self) -> tuple[int, tuple[int, ...]]:
         return self.drafter.block_size, tuple(self.drafter.target_layer_ids)
 
-    def propose(self, rid: int, slots: int, features, bonus: int, start: int, top_k: int) -> Proposal:
-        if rid not in self.sessions:
-            self.sessions[rid] = DraftSession(self.drafter, slots)
-        return self.sessions[rid].propose(features, bonus, start, top_k)
-
-    def close(self, rid: int) -> None:
-        self.sessions.pop(rid, None)
-
-    # the batch (workers.batch_backends.BatchDrafter)
+    # workers.batch_backends.BatchDrafter
 
     def open_row(self, seq_id: int, slots: int) -> None:
         self.rows.open(seq_id, slots)
@@ -196,9 +157,6 @@ class DrafterWorker:
 
     def close_row(self, seq_id: int) -> None:
         self.rows.close(seq_id)
-
-
-# --- backends: the Coordinator's view of the actors --------------------------------------------
 
 
 def _get(refs: list, who: list[str]):
@@ -213,69 +171,6 @@ def _get(refs: list, who: list[str]):
             name = who[refs.index(done[0])]
             raise WorkerDiedError(f"{name} failed during the request: {type(e).__name__}: {str(e).splitlines()[0]}") from e
     return ray.get(refs)
-
-
-class RemoteTargetSession:
-    def __init__(self, shards: list, rid: int, slots: int, capture, q_len: int, static_shapes: bool):
-        self.shards, self.rid = shards, rid
-        self.names = [f"target shard {r}" for r in range(len(shards))]
-        self.opening = (slots, tuple(capture), q_len, static_shapes)
-        self.start = 0  # slot of the pending bonus, tracked from the steps
-
-    def prefill(self, prompt, sampling, seed) -> Step:
-        steps = _get([s.prefill.remote(self.rid, *self.opening, prompt, sampling, seed) for s in self.shards], self.names)
-        self.start = len(prompt)
-        return self._agreed(steps)
-
-    def verify(self, tree: Tree, sampling, seed) -> Step:
-        steps = _get([s.verify.remote(self.rid, tree, sampling, seed) for s in self.shards], self.names)
-        step = self._agreed(steps)
-        self.start += len(step.path)
-        return step
-
-    def close(self) -> None:
-        for s in self.shards:
-            s.close.remote(self.rid)
-
-    @staticmethod
-    def _agreed(steps: list[Step]) -> Step:
-        """Shard 0's step; every shard chose the same tokens (they gather the same values)."""
-        if any(s.tokens != steps[0].tokens or s.path != steps[0].path for s in steps):
-            raise RuntimeError(f"target shards disagree: {[s.tokens for s in steps]}")
-        step = steps[0]
-        slowest = max(steps, key=lambda s: s.forward_s + s.walk_s)  # the call waited for it
-        step.forward_s, step.walk_s = slowest.forward_s, slowest.walk_s
-        return step
-
-
-class RemoteDraftSession:
-    def __init__(self, drafter, rid: int, slots: int):
-        self.drafter, self.rid, self.slots = drafter, rid, slots
-
-    def propose(self, features, bonus: int, start: int, top_k: int) -> Proposal:
-        ref = self.drafter.propose.remote(self.rid, self.slots, features, bonus, start, top_k)
-        return _get([ref], ["drafter"])[0]
-
-    def close(self) -> None:
-        self.drafter.close.remote(self.rid)
-
-
-class ShardedTarget:
-    def __init__(self, shards: list):
-        self.shards = shards
-        self.ids = itertools.count()
-
-    def open(self, slots, capture, q_len, static_shapes) -> RemoteTargetSession:
-        return RemoteTargetSession(self.shards, next(self.ids), slots, capture, q_len, static_shapes)
-
-
-class RemoteDrafter:
-    def __init__(self, actor, block_size: int, target_layer_ids: tuple[int, ...]):
-        self.actor, self.block_size, self.target_layer_ids = actor, block_size, target_layer_ids
-        self.ids = itertools.count()
-
-    def open(self, slots: int) -> RemoteDraftSession:
-        return RemoteDraftSession(self.actor, next(self.ids), slots)
 
 
 # --- backends: the Scheduler's view of the actors ----------------------------------------------
@@ -332,43 +227,41 @@ class RemoteBatchDrafter:
         self.actor.close_row.remote(seq_id)
 
 
-# --- the coordinator actor ------------------------------------------------------------------
+# --- the step loop's actor --------------------------------------------------------------------
 
 
-class CoordinatorWorker:
+class SchedulerActor:
     """Owns the drafter and shard actors of one model instance (inside its placement group) and
-    runs over them the Scheduler's step loop (the batch) and the Coordinator's (one request).
+    runs the Scheduler's step loop over them.
 
     `add` and `cancel` run in their own concurrency group (ARRIVALS), so that a request joins
     or leaves while a step runs, as the Scheduler allows; everything else runs one call at a time."""
 
-    def __init__(self, spec: WorkerSpec, budget: Budget, static_shapes: bool, group: PlacementGroup,
+    def __init__(self, spec: WorkerSpec, budget: Budget, group: PlacementGroup,
                  placement: Placement, limits: BatchLimits = BatchLimits()):
-        self.spec, self.budget, self.static_shapes, self.group = spec, budget, static_shapes, group
+        self.spec, self.budget, self.group = spec, budget, group
         self.placement = placement  # `group` was made from it: shard r in bundle r
         self.limits = limits
         directory = Path(spec.target_dir)
         has_tokenizer = any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
         self.tokenizer = load_tokenizer(directory) if has_tokenizer else None  # None: no stop strings
         self.workers: list = []
-        self.coordinator: Coordinator | None = None
         self.scheduler: Scheduler | None = None  # made at the batch's first request (its KV pool then)
         self._starting = threading.Lock()  # `add` (the arrivals' thread) and `step` may both start it
-        self.batch_lost = False  # the workers died (in a per-request stream) under a batch with work
 
     def _start_workers(self) -> None:
         def on(bundle: int, num_cpus: float, num_gpus: float):
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=bundle)
             return dict(scheduling_strategy=strategy, num_cpus=num_cpus, num_gpus=num_gpus)
 
-        # Shard r takes all of bundle r's CPUs and GPUs, but in bundle 0 the coordinator (this
+        # Shard r takes all of bundle r's CPUs and GPUs, but in bundle 0 the SchedulerActor (this
         # actor) and the drafter take their share first.
         bundles = self.placement.bundles
         gpus0 = bundles[0].get("GPU", 0)
         shards = [
             ray.remote(TargetShardWorker)
             .options(**(
-                on(0, bundles[0]["CPU"] - COORDINATOR_CPUS - DRAFTER_CPUS, gpus0 * (1 - DRAFTER_GPU_SHARE))
+                on(0, bundles[0]["CPU"] - SCHEDULER_CPUS - DRAFTER_CPUS, gpus0 * (1 - DRAFTER_GPU_SHARE))
                 if r == 0
                 else on(r, bundles[r]["CPU"], bundles[r].get("GPU", 0))
             ))
@@ -388,34 +281,24 @@ class CoordinatorWorker:
         except WorkerDiedError:
             self._stop_workers()
             raise
-        self.coordinator = Coordinator(
-            ShardedTarget(shards),
-            RemoteDrafter(drafter, block_size, layer_ids),
+        self.scheduler = Scheduler(
+            ShardedBatchTarget(shards),
+            RemoteBatchDrafter(drafter, block_size, layer_ids),
             self.budget,
-            self.static_shapes,
+            self.limits,
             decode=self.decode if self.tokenizer is not None else None,
         )
-        self.drafter_shape = (block_size, layer_ids)
 
     def _stop_workers(self) -> None:
         for w in self.workers:
             ray.kill(w, no_restart=True)
-        self.workers, self.coordinator, self.scheduler = [], None, None
+        self.workers, self.scheduler = [], None
 
     def _batch(self) -> Scheduler:
         """The Scheduler, made (and the workers started) on first use."""
         with self._starting:
-            if self.coordinator is None:
-                self._start_workers()
             if self.scheduler is None:
-                drafter, *shards = self.workers
-                self.scheduler = Scheduler(
-                    ShardedBatchTarget(shards),
-                    RemoteBatchDrafter(drafter, *self.drafter_shape),
-                    self.budget,
-                    self.limits,
-                    decode=self.decode if self.tokenizer is not None else None,
-                )
+                self._start_workers()
             return self.scheduler
 
     def block_size(self) -> int:
@@ -436,9 +319,7 @@ class CoordinatorWorker:
         return self.budget
 
     def set_budget(self, budget: Budget) -> None:
-        self.budget = budget
-        if self.coordinator is not None:
-            self.coordinator.budget = self.coordinator.check_budget(budget)
+        self.budget = check_budget(budget, has_drafter=True)  # the drafter actor is always there
         if self.scheduler is not None:
             self.scheduler.budget = self.scheduler.check_budget(budget)
 
@@ -457,9 +338,6 @@ class CoordinatorWorker:
 
     def step(self) -> "BatchStep":
         """One step of the batch, and the batch after it."""
-        if self.batch_lost:
-            self.batch_lost = False
-            raise WorkerDiedError("the workers died during a single-request stream; the batch's requests ended")
         if self.scheduler is None:
             return BatchStep([], False, [], [], {})
         updates = self._on_workers(self.scheduler.step)
@@ -467,7 +345,6 @@ class CoordinatorWorker:
         return BatchStep(updates, s.has_work, [q.id for q in s.running], [q.id for q in s.waiting], s.stats())
 
     def abort_all(self) -> None:
-        self.batch_lost = False
         if self.scheduler is not None:
             self.scheduler.abort_all()
 
@@ -482,34 +359,20 @@ class CoordinatorWorker:
             self._stop_workers()  # the batch ends; the next request starts on fresh workers
             raise
 
-    def stream(self, request: Request):
-        """The Coordinator's updates for one request (a Ray streaming generator when remote)."""
-        with self._starting:
-            if self.coordinator is None:
-                self._start_workers()
-        try:
-            for update in self.coordinator.stream(request):
-                yield update
-        except WorkerDiedError:
-            self.batch_lost = self.scheduler is not None and self.scheduler.has_work  # the next step says so
-            self._stop_workers()  # the next request starts on fresh workers
-            raise
 
-
-class DistributedEngine:
+class RayInstance:
     """Driver-side handle of one model instance on the Ray cluster (started locally if none is
-    running): its placement group and its CoordinatorWorker. It answers like the in-process
-    Coordinator (generate, stream, budget, check_budget, verify_len); `scheduler` is the batch's
-    step API (RemoteScheduler)."""
+    running): its placement group and its SchedulerActor; `scheduler` is the step loop's API
+    there (RemoteScheduler), which ddtree.engine.Engine drives like an in-process Scheduler."""
 
-    def __init__(self, spec: WorkerSpec, budget: Budget = 0, static_shapes: bool = True,
+    def __init__(self, spec: WorkerSpec, budget: Budget = 0,
                  placement: Placement | None = None, limits: BatchLimits = BatchLimits()):
         """`placement`: the placement group to make (config.Placement, one bundle per shard, e.g.
         `ddtree plan`'s); None = default_placement."""
         if not ray.is_initialized():
             ray.init(include_dashboard=False)
         self.spec = spec
-        self._budget = check_budget(budget, has_drafter=True)  # the drafter actor is always there
+        check_budget(budget, has_drafter=True)  # the drafter actor is always there
         placement = placement or default_placement(spec.tp, gpu=bool(ray.cluster_resources().get("GPU")))
         if len(placement.bundles) != spec.tp:
             raise ValueError(f"placement has {len(placement.bundles)} bundles for tp {spec.tp}: give one per shard")
@@ -525,36 +388,16 @@ class DistributedEngine:
             ) from None
         strategy = PlacementGroupSchedulingStrategy(placement_group=self.group, placement_group_bundle_index=0)
         self.actor = (
-            ray.remote(concurrency_groups={ARRIVALS: 1})(CoordinatorWorker)
-            .options(num_cpus=COORDINATOR_CPUS, scheduling_strategy=strategy)
-            .remote(spec, budget, static_shapes, self.group, placement, limits)
+            ray.remote(concurrency_groups={ARRIVALS: 1})(SchedulerActor)
+            .options(num_cpus=SCHEDULER_CPUS, scheduling_strategy=strategy)
+            .remote(spec, budget, self.group, placement, limits)
         )
         self.block_size = ray.get(self.actor.block_size.remote())
         self.scheduler = RemoteScheduler(self.actor)
 
     def generate(self, requests: list[Request]) -> list[Result]:
-        """The requests as one batch (the Scheduler in the coordinator actor)."""
+        """The requests as one batch (the Scheduler in the SchedulerActor)."""
         return ray.get(self.actor.generate.remote(requests))
-
-    def stream(self, request: Request):
-        """Updates of one request as the coordinator produces them."""
-        for ref in self.actor.stream.options(num_returns="streaming").remote(request):
-            yield ray.get(ref)
-
-    @property
-    def budget(self) -> Budget:
-        return self._budget
-
-    @budget.setter
-    def budget(self, budget: Budget) -> None:
-        self._budget = self.check_budget(budget)
-        ray.get(self.actor.set_budget.remote(budget))
-
-    def check_budget(self, budget: Budget) -> Budget:
-        return check_budget(budget, has_drafter=True)  # the drafter actor is always there
-
-    def verify_len(self, budget: Budget) -> int:
-        return self.block_size if budget == "chain" else budget + 1
 
     def shutdown(self) -> None:
         ray.kill(self.actor)
@@ -573,7 +416,7 @@ class BatchStep:
 
 
 class RemoteScheduler:
-    """The coordinator actor's Scheduler with the Scheduler's own API (add, cancel, step,
+    """The SchedulerActor's Scheduler with the Scheduler's own API (add, cancel, step,
     has_work, abort_all, running, waiting, stats, generate), as serve's BatchDriver and the
     load bench drive one: `add` and `cancel` may be called from any thread (they reach the actor
     while a step runs), `step` from one. Each call is one actor call; `running`, `waiting` and
@@ -646,6 +489,6 @@ class RemoteScheduler:
 
 def default_placement(tp: int, gpu: bool = False) -> Placement:
     """Without a plan: one bundle per shard, 1 CPU (and 1 GPU on a cluster with GPUs), PACK
-    (one node where it fits, else spread). Bundle 0 also holds the coordinator and the drafter."""
+    (one node where it fits, else spread). Bundle 0 also holds the SchedulerActor and the drafter."""
     bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
     return Placement(bundles=[dict(bundle) for _ in range(tp)], strategy="PACK")

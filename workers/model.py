@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.batched import tree_attention
+from ..config import GREEDY
+from ..kernels.batched import sampled_choices, tree_attention
+from ..kernels.sampling import choose_tokens, is_greedy, processed_probs
 from ..kernels.tree_batch import unpack_bits
 from ..kernels.triton_support import use_triton
 
@@ -262,6 +264,9 @@ class TreeBits:
         """[B, Q, Q] bool, for the reference path."""
         return unpack_bits(self.bits, self.bits.shape[1])
 
+    def to(self, device) -> "TreeBits":
+        return TreeBits(self.bits.to(device))
+
 
 @dataclass
 class KVCache:
@@ -397,6 +402,38 @@ class SingleProcess:
 
     def embed(self, table: nn.Embedding, tokens: torch.Tensor) -> torch.Tensor:
         return table(tokens)
+
+    def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits [N, V_local] -> [N, V]: here they are whole already."""
+        return logits
+
+    def choose(self, logits: torch.Tensor, params, seed: int | None, positions: list[int]) -> torch.Tensor:
+        """[N] the target's token per row of logits [N, V] (kernels.sampling.choose_tokens);
+        a tensor-parallel shard computes the same from its slice of the vocabulary."""
+        return choose_tokens(logits, params, seed, positions)
+
+    def choose_rows(self, logits: torch.Tensor, sampling: list, seeds: list[int | None],
+                    draw_positions: torch.Tensor) -> torch.Tensor:
+        """[B, K] the target's token at every kept row, each row by its own rule: the argmax when
+        greedy, else the seeded draw for the position the token takes (kernels.sampling's rule,
+        batched). logits [B, K, V] (on a tensor-parallel shard [B, K, V_local], and every shard
+        returns the same: greedy rows gather one (value, id) per node between the shards, a
+        seeded row gathers its logits).
+
+        Example: rows (greedy, seed 7), K = 2 -> row 0 is logits[0].argmax(-1); row 1 is the
+        inverse-CDF draw of processed_probs(logits[1]) at u(7, draw_positions[1, k]) for k = 0, 1.
+        """
+        b, k, _ = logits.shape
+        choices = torch.empty((b, k), dtype=torch.int64, device=logits.device)
+        greedy = [r for r in range(b) if is_greedy(sampling[r])]
+        if greedy:
+            nodes = logits[greedy].reshape(len(greedy) * k, logits.shape[-1])
+            choices[greedy] = self.choose(nodes, GREEDY, None, []).view(len(greedy), k).to(logits.device)
+        for r in sorted(set(range(b)) - set(greedy)):
+            probs = processed_probs(self.gather_vocab(logits[r]), sampling[r])
+            seed = torch.tensor([seeds[r]], dtype=torch.int64, device=logits.device)
+            choices[r] = sampled_choices(probs[None], seed, draw_positions[r : r + 1].to(logits.device))[0]
+        return choices
 
 
 @dataclass

@@ -30,7 +30,6 @@ waits, first in line, to be prefilled again over its prompt and the tokens it al
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -39,11 +38,11 @@ from typing import Callable
 import torch
 
 from ..kernels.batched import tree_metadata, walk_batch
-from ..kernels.sampling import is_greedy
+from ..kernels.sampling import draw_seed
 from ..kernels.tree import Tree, grow_tree
 from ..kernels.tree_batch import TreeBatch
-from .batch_backends import DraftRows, TargetBatch, as_batch_drafter, as_batch_target
-from .coordinator import Budget, Request, Result, RoundStats, Update, check_budget, check_stop
+from .batch_backends import BatchDrafter, BatchTarget, DraftRows, LocalBatchDrafter, LocalBatchTarget, TargetBatch
+from .requests import Budget, Request, Result, RoundStats, Update, check_budget, check_request, check_stop, tree_rows
 from .kv_pool import PageAllocator, PoolFull
 from .model import TreeBits
 
@@ -116,16 +115,16 @@ class _Sequence:
 
 
 class Scheduler:
-    """Owns the running batch of one target (+ optional drafter): models in this process, or
-    backends (workers.batch_backends) whose work runs elsewhere.
+    """Owns the running batch of one target (+ optional drafter), behind the backends of
+    workers.batch_backends: models in this process (`Scheduler.local`), or Ray actors.
 
     `add` and `cancel` may be called from any thread; `step` runs on one thread at a time.
     """
 
     def __init__(
         self,
-        target,  # a TargetModel, or a BatchTarget (workers.batch_backends)
-        drafter=None,  # a Proposer (workers.drafter), a BatchDrafter, or None: plain decoding only
+        target: BatchTarget,
+        drafter: BatchDrafter | None = None,  # None: plain decoding only
         budget: Budget = 0,
         limits: BatchLimits = BatchLimits(),
         decode: Callable[[list[int]], str] | None = None,
@@ -135,7 +134,7 @@ class Scheduler:
                 f"max_num_seqs ({limits.max_num_seqs}) exceeds max_step_tokens ({limits.max_step_tokens}): "
                 "a step could not give every sequence one verify row"
             )
-        self.target, self.drafter = as_batch_target(target), as_batch_drafter(drafter)
+        self.target, self.drafter = target, drafter
         self.limits, self.decode = limits, decode
         self.budget = check_budget(budget, drafter is not None)
         self.pool = PageAllocator(limits.kv_cache_tokens, limits.kv_page_tokens)  # the storage: the target's
@@ -148,6 +147,13 @@ class Scheduler:
         self.preemptions = 0  # sequences preempted so far (their pages freed, recomputed later)
         self.cancelled = 0  # sequences that left because their request was cancelled
 
+    @classmethod
+    def local(cls, model, drafter=None, budget: Budget = 0, limits: BatchLimits = BatchLimits(),
+              decode: Callable[[list[int]], str] | None = None) -> "Scheduler":
+        """Over a TargetModel and an optional Proposer (workers.drafter) in this process."""
+        return cls(LocalBatchTarget(model), LocalBatchDrafter(drafter) if drafter is not None else None,
+                   budget, limits, decode)
+
     # --- the requests' side ---------------------------------------------------------------------
 
     def check_budget(self, budget: Budget) -> Budget:
@@ -156,10 +162,7 @@ class Scheduler:
     def add(self, request: Request) -> int:
         """Queues a request; returns its id. ValueError for a request that can never run,
         QueueFull when `max_waiting` requests wait already."""
-        if not request.prompt:
-            raise ValueError("the prompt is empty")
-        if request.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
+        check_request(request)
         budget = self.check_budget(self.budget if request.budget is None else request.budget)
         largest = self.pool.pages_for(len(request.prompt) + 1 + self._nodes(budget) + 1)
         if largest > self.pool.num_pages:
@@ -171,10 +174,7 @@ class Scheduler:
         held = len(self.running) + len(self.waiting) + len(self._arrivals)
         if held >= self.limits.max_num_seqs + self.limits.max_waiting:
             raise QueueFull(f"{self.limits.max_num_seqs} requests run and {self.limits.max_waiting} wait already")
-        seed = None
-        if not is_greedy(request.sampling):
-            seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(63)
-        seq = _Sequence(self._next_id, request, budget, seed, time.perf_counter(), list(request.prompt))
+        seq = _Sequence(self._next_id, request, budget, draw_seed(request.sampling), time.perf_counter(), list(request.prompt))
         self._next_id += 1
         self._arrivals.append(seq)
         return seq.id
@@ -286,7 +286,11 @@ class Scheduler:
 
     def _nodes(self, budget: Budget) -> int:
         """Drafted nodes a budget asks for (a chain: one per drafted depth)."""
-        return self.drafter.block_size - 1 if budget == "chain" else budget
+        return tree_rows(budget, self.drafter.block_size if self.drafter is not None else 1) - 1
+
+    def verify_len(self, budget: Budget) -> int:
+        """Q: the verify rows a lone request at `budget` runs (its tree's rows, bucketed)."""
+        return bucket(self._nodes(budget) + 1)
 
     def _decode(self) -> list[_Sequence]:
         rows = [s for s in self.running if s.prefilled and s.finish_reason is None]

@@ -1,11 +1,12 @@
-"""One request's side of each model: what the Coordinator calls, in-process or through Ray.
+"""One request's side of each model, for the solo loop (workers.solo): the two backend
+protocols and their in-process implementations.
 
-A *session* owns one request's caches on one model. The target session prefills, then verifies
-a tree per round -- forward, the target's choice at every node, the walk, and the KV compaction
-of the accepted path -- and returns only the accepted path, its tokens and its features. The
-draft session turns the target's features and the bonus into the drafter's top-K candidates per
-depth. The same session classes run inside the Ray actors of the distributed engine
-(workers.distributed); only the transport around them differs.
+A backend opens *sessions*; a session owns one request's caches on one model. The target
+session prefills, then verifies a tree per round -- forward, the target's choice at every node,
+the walk, and the KV compaction of the accepted path -- and returns only the accepted path, its
+tokens and its features. The draft session turns the target's features and the bonus into the
+drafter's top-K candidates per depth. (The batched step loop's backends, one forward over every
+sequence, are workers.batch_backends.)
 """
 
 from __future__ import annotations
@@ -15,15 +16,15 @@ from dataclasses import dataclass
 
 import torch
 
+from typing import Protocol
+
 from ..config import SamplingParams
-from ..kernels.batched import compact_kv_batch, sampled_choices, topk_logprobs, tree_metadata, walk_batch
-from ..kernels.sampling import is_greedy, processed_probs
+from ..kernels.batched import compact_kv_batch, topk_logprobs, tree_metadata, walk_batch
 from ..kernels.tree import Candidates, Tree, VerifyBlock, compact_kv, greedy_walk, verify_block
 from ..kernels.tree_batch import TreeBatch
 from ..kernels.triton_support import use_triton
-from .drafter import DFlashDrafter, Proposer
+from .drafter import Proposer
 from .model import TargetModel, TreeBits
-from .tensor_parallel import TensorParallel, choose
 
 
 @dataclass
@@ -41,6 +42,44 @@ class Step:
 class Proposal:
     candidates: Candidates  # the drafter's top-K per depth
     draft_s: float  # the drafter's forward pass and top-K
+
+
+class TargetBackend(Protocol):
+    """Where the solo loop's target runs: this process (LocalTarget) or elsewhere."""
+
+    def open(self, slots: int, capture: tuple[int, ...], q_len: int, static_shapes: bool) -> "TargetSessionLike":
+        """A session whose KV cache holds `slots` positions; its passes return the outputs of
+        the target layers `capture` as features; with static_shapes every verify pass has q_len rows."""
+
+
+class TargetSessionLike(Protocol):
+    start: int  # committed positions in the cache (the pending bonus's position)
+
+    def prefill(self, prompt: list[int], sampling: SamplingParams, seed: int | None) -> "Step":
+        """The prompt's KV rows; tokens = [the first completion token]; features [1, len(prompt), F]."""
+
+    def verify(self, tree: Tree, sampling: SamplingParams, seed: int | None) -> "Step":
+        """One pass over the tree's N nodes; tokens = accepted drafted tokens + the bonus;
+        features [1, len(path), F] of the accepted path."""
+
+    def close(self) -> None: ...
+
+
+class DraftBackend(Protocol):
+    """Where the solo loop's drafter runs: this process (LocalDrafter) or elsewhere."""
+
+    block_size: int  # B: B - 1 drafted depths
+    target_layer_ids: tuple[int, ...]  # target layers whose outputs the drafter reads
+
+    def open(self, slots: int) -> "DraftSessionLike": ...
+
+
+class DraftSessionLike(Protocol):
+    def propose(self, features: torch.Tensor, bonus: int, start: int, top_k: int) -> "Proposal":
+        """features [1, n, F] committed since the last call; bonus at position `start` ->
+        the top-K candidates of each of the B - 1 drafted depths."""
+
+    def close(self) -> None: ...
 
 
 class TargetSession:
@@ -66,7 +105,7 @@ class TargetSession:
         out = self.model(tokens, positions, self.model.prefill_mask(n), self.cache, self.capture, logits_to_keep=1)
         self.cache.lengths += n
         t1 = time.perf_counter()
-        first = int(choose(self.model.parallel, out.logits[0, -1:], sampling, seed, [n])[0])
+        first = int(self.model.parallel.choose(out.logits[0, -1:], sampling, seed, [n])[0])
         return Step([first], [], out.features, t1 - t0, time.perf_counter() - t1)
 
     def verify(self, tree: Tree, sampling: SamplingParams, seed: int | None) -> Step:
@@ -83,7 +122,7 @@ class TargetSession:
         # Walk: the target chooses a token at every node (argmax, or the seeded draw for the
         # position after the node); follow the path it agrees with, then its bonus token.
         after = (start + tree.depths + 1).tolist()
-        choices = choose(self.model.parallel, out.logits[0, : vb.num_nodes], sampling, seed, after)
+        choices = self.model.parallel.choose(out.logits[0, : vb.num_nodes], sampling, seed, after)
         walk = greedy_walk(tree, choices)
 
         # Commit on the target: keep the path's KV rows (their RoPE positions are already right).
@@ -103,15 +142,8 @@ class TargetSession:
         meta = tree_metadata(batch, self.cache.lengths)
         out = self.model(batch.tokens, meta.positions, TreeBits(meta.bits), self.cache, self.capture)
         t1 = time.perf_counter()
-        logits = out.logits[0]
-        if is_greedy(sampling) or isinstance(self.model.parallel, TensorParallel):
-            after = [] if is_greedy(sampling) else (meta.positions[0] + 1).tolist()  # greedy reads none
-            choices = choose(self.model.parallel, logits, sampling, seed, after)
-        else:
-            probs = processed_probs(logits, sampling)
-            seeds = torch.tensor([seed], device=dev)
-            choices = sampled_choices(probs[None], seeds, meta.positions + 1)[0]
-        walk = walk_batch(batch, choices[None])
+        choices = self.model.parallel.choose_rows(out.logits, [sampling], [seed], meta.positions + 1)
+        walk = walk_batch(batch, choices)
         compact_kv_batch(self.cache.k, self.cache.v, self.cache.lengths, walk)
         n = int(walk.length[0])
         path = walk.path[0, :n].tolist()
@@ -130,17 +162,14 @@ class DraftSession:
     def __init__(self, drafter: Proposer, slots: int):
         self.drafter = drafter
         self.cache = drafter.new_cache(1, slots)
-        self.on_device = isinstance(drafter, DFlashDrafter) and use_triton(drafter.fc.weight)
 
     def propose(self, features: torch.Tensor, bonus: int, start: int, top_k: int) -> Proposal:
         t0 = time.perf_counter()
-        bonus_t, start_t = torch.tensor([bonus]), torch.tensor([start])
-        if self.on_device:  # top-K on the GPU (Triton); only [D, K] comes back
-            logits = self.drafter.draft_logits(self.cache, features, bonus_t, start_t)[0]
-            values, ids = topk_logprobs(logits, min(top_k, logits.shape[-1]))
+        logprobs = self.drafter.draft(self.cache, features, torch.tensor([bonus]), torch.tensor([start]))[0]
+        if use_triton(logprobs):  # top-K on the GPU (Triton); only [D, K] comes back
+            values, ids = topk_logprobs(logprobs.float(), min(top_k, logprobs.shape[-1]))  # log-softmax of log-probs: themselves
             candidates = Candidates(values.double().tolist(), ids.tolist())
         else:
-            logprobs = self.drafter.draft(self.cache, features, bonus_t, start_t)[0]
             candidates = Candidates.top_k(logprobs, top_k)
         return Proposal(candidates, time.perf_counter() - t0)
 

@@ -133,19 +133,17 @@ class TensorParallel(SingleProcess):
         dist.all_gather(parts, padded, group=self.group)
         return torch.cat([p[:, : end - begin] for p, (begin, end) in zip(parts, cuts)], dim=-1)
 
-
-def choose(parallel, logits: torch.Tensor, params, seed: int | None, positions: list[int]) -> torch.Tensor:
-    """The target's token per row (kernels.sampling.choose_tokens), computed where the logits
-    are. logits [N, V] in one process, [N, V_local] on a shard; every shard returns the same."""
-    if not isinstance(parallel, TensorParallel):
-        return choose_tokens(logits, params, seed, positions)
-    if not is_greedy(params):
-        return choose_tokens(parallel.gather_vocab(logits), params, seed, positions)
-    best, at = logits.double().max(dim=-1)  # first maximal id per row, like argmax
-    mine = torch.stack([best, (at + parallel.vocab_offset).double()], dim=-1)  # [N, 2]
-    parts = [torch.empty_like(mine) for _ in range(parallel.spec.size)]
-    dist.all_gather(parts, mine, group=parallel.group)
-    values = torch.stack([p[:, 0] for p in parts], dim=-1)  # [N, shards], shards in vocab order
-    ids = torch.stack([p[:, 1] for p in parts], dim=-1)
-    winner = values.argmax(dim=-1, keepdim=True)  # ties -> the lower shard -> the lower id
-    return ids.gather(-1, winner).squeeze(-1).long()
+    def choose(self, logits: torch.Tensor, params, seed: int | None, positions: list[int]) -> torch.Tensor:
+        """[N] the target's token per row from this shard's logits [N, V_local]; every shard
+        returns the same. Greedy: each shard's best (value, id), gathered; the highest value
+        wins, ties to the lower id (like argmax). Seeded: the whole rows, gathered."""
+        if not is_greedy(params):
+            return choose_tokens(self.gather_vocab(logits), params, seed, positions)
+        best, at = logits.double().max(dim=-1)  # first maximal id per row, like argmax
+        mine = torch.stack([best, (at + self.vocab_offset).double()], dim=-1)  # [N, 2]
+        parts = [torch.empty_like(mine) for _ in range(self.spec.size)]
+        dist.all_gather(parts, mine, group=self.group)
+        values = torch.stack([p[:, 0] for p in parts], dim=-1)  # [N, shards], shards in vocab order
+        ids = torch.stack([p[:, 1] for p in parts], dim=-1)
+        winner = values.argmax(dim=-1, keepdim=True)  # ties -> the lower shard -> the lower id
+        return ids.gather(-1, winner).squeeze(-1).long()
