@@ -10,22 +10,20 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from .config import GenerateConfig, SamplingParams
+from .config import GenerateConfig, ModelPairConfig, SamplingParams
+from .flags import add_field_flags, field_values
+
+# The flags that set config fields: each takes its type, default and help from the field.
+GENERATE_FIELDS = ("model", "drafter", "budget", "max_tokens", "stop", "dtype", "tp")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")
+SERVE_FIELDS = ("model", "drafter", "budget")  # on top of --config's
+BENCH_FIELDS = ("model", "drafter", "dtype")
 
 
 def _generate(args: argparse.Namespace) -> int:
     try:
         config = GenerateConfig(
-            model=args.model,
-            drafter=args.drafter,
-            budget=args.budget,
-            max_tokens=args.max_tokens,
-            sampling=SamplingParams(
-                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed
-            ),
-            stop=args.stop or [],
-            dtype=args.dtype,
-            tp=args.tp,
+            **field_values(args, GENERATE_FIELDS), sampling=SamplingParams(**field_values(args, SAMPLING_FIELDS))
         )
     except ValidationError as err:
         for e in err.errors():
@@ -34,7 +32,7 @@ def _generate(args: argparse.Namespace) -> int:
     from .engine import Engine  # heavy imports after the arguments are known to be valid
 
     engine = Engine.from_config(config)
-    for prompt, result in zip(args.prompt, engine.generate(args.prompt, config)):
+    for prompt, result in zip(args.prompt, engine.generate(engine.chat_requests(args.prompt, config))):
         seconds = result.prefill_s + result.decode_s
         record = {
             "prompt": prompt,
@@ -48,10 +46,7 @@ def _generate(args: argparse.Namespace) -> int:
             "tokens_per_s": round(len(result.tokens) / seconds, 2) if seconds else None,
             "prefill_s": round(result.prefill_s, 4),
             "decode_s": round(result.decode_s, 4),
-            "round_time_s": {
-                phase: round(sum(getattr(r, f"{phase}_s") for r in result.rounds), 4)
-                for phase in ("draft", "tree", "verify", "commit", "transport")
-            },
+            "round_time_s": {phase: round(s, 4) for phase, s in result.phase_s().items()},
         }
         if args.json:
             print(json.dumps(record), flush=True)
@@ -77,9 +72,7 @@ def _serve_config(args: argparse.Namespace):
         with open(args.config) as f:
             loaded = yaml.safe_load(f) or {}
         fields = loaded["applications"][0].get("args", {}) if "applications" in loaded else loaded
-    for flag in ("model", "drafter", "budget"):
-        if getattr(args, flag) is not None:
-            fields[flag] = getattr(args, flag)
+    fields.update(field_values(args, SERVE_FIELDS))
     keys = list(getattr(args, "api_key", None) or [])
     keys += [k.strip() for k in os.environ.get("DDTREE_API_KEY", "").split(",") if k.strip()]
     if keys:
@@ -148,10 +141,12 @@ def _serve(args: argparse.Namespace) -> int:
         f"{config.graceful_shutdown_timeout_s:g} s)",
         flush=True,
     )
+    # Not serve.run(blocking=True): it sleeps until a KeyboardInterrupt, so SIGTERM would have to
+    # raise one, and a SIGTERM during start-up would then break serve.run off mid-deployment.
+    # The handler above only sets `stop`, which is waited for here; the drain follows either way.
     try:
-        while not stop.wait(timeout=1.0):
-            pass
-    except KeyboardInterrupt:
+        stop.wait()
+    except KeyboardInterrupt:  # Ctrl-C
         pass
     _drain("ddtree", config.graceful_shutdown_timeout_s)
     serve.shutdown()
@@ -160,11 +155,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from .config import ModelPairConfig, parse_budget
+    from .config import parse_budget
 
     try:
         budgets = [parse_budget(b.strip()) for b in args.budgets.split(",")]
-        config = ModelPairConfig(model=args.model, drafter=args.drafter, budget=0, dtype=args.dtype)
+        config = ModelPairConfig(**field_values(args, BENCH_FIELDS), budget=0)
     except (ValueError, ValidationError) as err:
         print(f"ddtree bench: {err}", file=sys.stderr)
         return 2
@@ -363,21 +358,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions for chat prompts (in-process, or on Ray with --tp N)")
     gen.add_argument("--prompt", action="append", required=True, help="a user message (repeatable)")
-    gen.add_argument("--model", help="target: Hugging Face checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)")
-    gen.add_argument("--drafter", help="DFlash drafter checkpoint dir (default: the drafter shipped for the default target; other targets: a seeded untrained drafter)")
-    gen.add_argument("--budget", default="auto",
-                     help="tree budget: 0 = plain decoding, 'chain' = DFlash, N = DDTree, auto = fastest here (default)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 = off")
-    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = off")
-    gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p x the top probability")
-    gen.add_argument("--seed", type=int, help="seed of the draws; without one a random seed is used and reported")
-    gen.add_argument("--stop", action="append", help="a stop string (repeatable)")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
-    gen.add_argument("--tp", type=int, default=1,
-                     help="tensor-parallel shards; N > 1 runs the distributed engine on a local Ray cluster "
-                     "(started if none): Coordinator, Drafter and N TargetShard actors")
+    add_field_flags(gen.add_argument_group("GenerateConfig fields"), GenerateConfig, GENERATE_FIELDS)
+    add_field_flags(gen.add_argument_group("SamplingParams fields"), SamplingParams, SAMPLING_FIELDS)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
     gen.set_defaults(func=_generate)
 
@@ -385,9 +367,10 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--config", help="YAML: ServeConfig fields, or a Serve config file (cluster/serve-config.yaml)")
-    srv.add_argument("--model", help="override the config's target")
-    srv.add_argument("--drafter", help="override the config's drafter")
-    srv.add_argument("--budget", help="override the config's tree budget")
+    from .serve.config import ServeConfig
+
+    add_field_flags(srv.add_argument_group("ServeConfig fields", "each overrides the --config file's"),
+                    ServeConfig, SERVE_FIELDS)
     srv.add_argument("--metrics-port", type=int, default=8080, help="Ray's Prometheus endpoint")
     srv.add_argument("--metrics-host", help="where the metrics endpoint listens: a loopback address keeps it "
                      "on this machine, anything else exposes it on every interface (default: --host)")
@@ -401,9 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--limit", type=int, default=20)
     bench.add_argument("--max-tokens", type=int, default=128)
     bench.add_argument("--budgets", default="0,8,16,32,64", help="comma-separated; 0 and chain are always run")
-    bench.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
-    bench.add_argument("--drafter", help="DFlash drafter (default: as for generate)")
-    bench.add_argument("--dtype", default="float32", choices=["float32", "float64", "bfloat16"])
+    add_field_flags(bench.add_argument_group("ModelPairConfig fields"), ModelPairConfig, BENCH_FIELDS)
     bench.add_argument("--json", help="write one row per setting here")
     bench.add_argument("--plot", help="write a PNG of tau and speed-up against the budget here")
     bench.add_argument("--no-peers", action="store_true", help="skip transformers generate / prompt lookup")
