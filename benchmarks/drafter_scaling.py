@@ -19,7 +19,7 @@ import torch
 
 from ddtree.bench import read_prompts
 from ddtree.config import parse_budget
-from ddtree.training import drafts_report, reference_continuations
+from ddtree.training.evaluate import drafts_report, reference_continuations
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.loading import load_target
 

@@ -18,7 +18,7 @@ import torch
 
 from ddtree.bench import read_prompts
 from ddtree.engine import shipped_drafter
-from ddtree.training import eval_drafter
+from ddtree.training.evaluate import eval_drafter
 from ddtree.workers.drafter import DFlashDrafter
 
 DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "gsm8k-test.jsonl"

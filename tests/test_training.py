@@ -9,18 +9,10 @@ import random
 import pytest
 import torch
 
-from ddtree.training import (
-    TrainConfig,
-    block_loss,
-    eval_drafter,
-    init_drafter,
-    load_sequences,
-    position_weights,
-    sample_anchors,
-    stage_data,
-    stage_export,
-    stage_train,
-)
+from ddtree.training.data import load_sequences, plan_prompts, stage_data
+from ddtree.training.evaluate import _rounds, eval_drafter
+from ddtree.training.export import stage_export
+from ddtree.training.train import TrainConfig, block_loss, init_drafter, position_weights, sample_anchors, stage_train
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.loading import load_target
 
@@ -136,7 +128,6 @@ def test_rounds_walk_the_trees_along_the_output():
     over 9 at depth 1, then 2 and 7 below: the best-first tree holds 5 -> 9 -> 2 -> 7 only from
     budget 6 on ((4), (4,2), (4,2,7), (9), (9,2), (9,2,7))."""
     from ddtree.kernels.tree import Candidates
-    from ddtree.training import _rounds
 
     at_5 = Candidates([[-0.5, -0.9], [-0.1, -2.0], [-0.1, -3.0]], [[4, 9], [2, 6], [7, 1]])
     miss = Candidates([[-0.1, -0.2]] * 3, [[0, 1]] * 3)
@@ -150,8 +141,6 @@ def test_rounds_walk_the_trees_along_the_output():
 def test_a_grown_data_plan_keeps_its_shards_and_appends_the_new_prompts(tmp_path):
     """Rerunning the data stage with a larger --limit-per-file must not reshuffle the prompts of
     shards already generated (they are on disk, with their features): only new shards follow."""
-    from ddtree.training import plan_prompts
-
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"question": f"q{i}"}) for i in range(7)))
     plan = tmp_path / "prompts.json"

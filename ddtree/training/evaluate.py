@@ -1,0 +1,129 @@
+"""`ddtree eval-drafter`: a drafter's held-out tau per budget and top-1 accuracy per block
+position, greedy.
+
+A round's accepted length is the deepest tree path matching the target's own continuation, so
+tau follows from that continuation and the drafts along it: one plain decode per prompt
+(`reference_continuations`), one target pass and the drafter's block forward per prompt
+(`_drafts_along`), then trees walked without verification (`_rounds`).
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm import tqdm
+
+from ..config import SamplingParams
+from ..engine import default_chat_template_kwargs
+from ..kernels.tree import Candidates, greedy_walk, grow_tree
+from ..workers.loading import LoadedTarget
+from ..workers.requests import Request
+from ..workers.scheduler import BatchLimits, Scheduler
+
+
+def reference_continuations(target: LoadedTarget, prompts: list[str], max_tokens: int):
+    """Per prompt: the chat-templated prompt ids and the target's own greedy continuation."""
+    tok = target.tokenizer
+    chat = default_chat_template_kwargs(target.directory)
+    requests = [
+        Request(tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True, **chat),
+                           add_special_tokens=False), max_tokens, eos_token_ids=(tok.eos_token_id,), sampling=SamplingParams())
+        for p in prompts
+    ]
+    plain = solo_engine(target.model, None, 0, max(len(r.prompt) for r in requests) + max_tokens)
+    return requests, [plain.generate([r])[0].tokens for r in tqdm(requests, desc="reference", unit="prompt")]
+
+
+def solo_engine(model, drafter, budget, positions: int):
+    """The engine's step loop for one request at a time, with a KV pool for `positions` tokens
+    (one request alone runs exactly as it would in a batch, up to fp32 summation order)."""
+    return Scheduler.local(model, drafter, budget, BatchLimits(max_num_seqs=1, kv_cache_tokens=positions + 2 * 129))
+
+
+@torch.no_grad()
+def _drafts_along(target: LoadedTarget, drafter, prompt: list[int], output: list[int], k: int) -> list[Candidates]:
+    """The drafter's top-k candidates with the bonus at each output position i (0 ... n-2): what
+    drafting there sees in generation -- the target's features of every token before it. One
+    target pass over the whole sequence and the drafter's batched block forward; no tree is
+    verified, because the target's choice at every node of the path is already known."""
+    seq = torch.tensor(prompt + output)
+    n = len(seq)
+    model = target.model
+    out = model(seq[None], torch.arange(n)[None], model.prefill_mask(n), model.new_cache(1, n), drafter.target_layer_ids)
+    features = out.features[0]
+    vocab = drafter.draft_vocab.tolist() if drafter.draft_vocab is not None else None
+    drafts = []
+    anchors = torch.arange(len(prompt), n - 1)
+    for chunk in anchors.split(32):
+        logprobs = torch.log_softmax(drafter.block_logits(features, seq, chunk).double(), dim=-1)
+        for row in logprobs:
+            c = Candidates.top_k(row, k)
+            if vocab is not None:  # indices into the draft vocabulary -> token ids (both ascending)
+                c = Candidates(c.logprobs, [[vocab[t] for t in ts] for ts in c.tokens])
+            drafts.append(c)
+    return drafts
+
+
+def _rounds(drafts: list[Candidates], output: list[int], budget) -> int:
+    """Rounds greedy speculation takes to emit `output` after its first token: each round grows
+    the tree from the drafts at the bonus, accepts the deepest path matching the output (the
+    target's own continuation) and moves past it and the new bonus -- as the engine's walk does.
+
+    Example, chain: output [5, 9, 2, 7, 3]; at i = 0 (bonus 5) the drafts are 9, 2, 8: the
+    path 5 -> 9 -> 2 matches, 8 does not (the target says 7), so the round emits 9, 2 and the
+    bonus 7, and i = 3; at i = 3 (bonus 7) the drafts are 1, ...: nothing matches, the round
+    emits the bonus 3, i = 4 = the last token: 2 rounds for the 4 tokens after the first."""
+    k = 1 if budget == "chain" else budget  # candidates per depth, as the engine asks for
+    i, rounds, n = 0, 0, len(output)
+    while i + 1 < n:
+        c = drafts[i]
+        tree = grow_tree(output[i], Candidates([lp[:k] for lp in c.logprobs], [t[:k] for t in c.tokens]),
+                         len(c.tokens) if budget == "chain" else budget)
+        choice = torch.tensor([output[i + d + 1] if i + d + 1 < n else -1 for d in tree.depths.tolist()])
+        i += len(greedy_walk(tree, choice).path)
+        rounds += 1
+    return rounds
+
+
+def eval_drafter(target: LoadedTarget, drafter, prompts: list[str], max_tokens: int, budgets: list,
+                 engine: bool = False) -> dict:
+    """Held-out tau per budget and top-1 accuracy per block position, greedy.
+
+    A round's accepted length is the deepest tree path matching the target's own continuation,
+    so tau follows from that continuation and the drafts along it (one plain decode per prompt,
+    then no verification at all). `engine=True` instead runs every budget through the engine
+    (slow; it also checks the output is the target's) -- the two agree: see the tests."""
+    requests, outputs = reference_continuations(target, prompts, max_tokens)
+    if not engine:
+        return drafts_report(target, drafter, requests, outputs, budgets)
+    report = drafts_report(target, drafter, requests, outputs, [])
+    rounds = dict.fromkeys(map(str, budgets), 0)
+    for b in budgets:
+        for req, output in zip(requests, outputs):
+            result = solo_engine(target.model, drafter, b, len(req.prompt) + max_tokens).generate([req])[0]
+            assert result.tokens == output, "speculation changed a token: not lossless"
+            rounds[str(b)] += len(result.rounds)
+    return report | {"tau": _tau(outputs, rounds)}
+
+
+def _tau(outputs: list[list[int]], rounds: dict) -> dict:
+    """Tokens emitted after each output's first (the prefill's) per round, per budget."""
+    emitted = sum(len(o) - 1 for o in outputs)
+    return {b: emitted / r if r else 0.0 for b, r in rounds.items()}
+
+
+def drafts_report(target: LoadedTarget, drafter, requests, outputs: list[list[int]], budgets: list) -> dict:
+    """tau per budget by walking the drafts along the reference `outputs`, and top-1 accuracy
+    per block position over every position of them."""
+    k = max([1] + [b for b in budgets if b != "chain"])
+    hits, counts = [0] * (drafter.block_size - 1), [0] * (drafter.block_size - 1)
+    rounds = dict.fromkeys(map(str, budgets), 0)
+    for req, output in tqdm(list(zip(requests, outputs)), desc="eval", unit="prompt"):
+        drafts = _drafts_along(target, drafter, req.prompt, output, k)
+        for i, c in enumerate(drafts):
+            for d, ts in enumerate(c.tokens, start=1):
+                if i + d < len(output):
+                    hits[d - 1] += ts[0] == output[i + d]
+                    counts[d - 1] += 1
+        for b in budgets:
+            rounds[str(b)] += _rounds(drafts, output, b)
+    return {"tau": _tau(outputs, rounds), "accuracy": [h / c if c else 0.0 for h, c in zip(hits, counts)], "prompts": len(requests)}

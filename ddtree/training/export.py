@@ -1,0 +1,47 @@
+"""Stage 3 of `ddtree train-drafter`: the trained drafter as a checkpoint directory with a
+model card that states its data, steps and held-out accuracy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..workers.loading import LoadedTarget
+from .data import load_sequences
+from .train import TrainConfig, evaluate_accuracy, init_drafter
+
+
+def stage_export(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids, out: Path,
+                 data_note: str = "", eval_summary: str = "", layout: str = "ddtree") -> Path:
+    """The trained drafter in `layout` (DFlashDrafter.save: "ddtree", or "published" for other
+    stacks, which refuses a drafter with a draft vocabulary) with a model card."""
+    saved = torch.load(workdir / "train" / "checkpoint.pt", weights_only=False)
+    drafter = init_drafter(target, cfg, layer_ids, saved["drafter"])
+    sequences = load_sequences(workdir)
+    held_out = sequences[: saved["state"].get("held_out") or max(1, int(len(sequences) * cfg.held_out))]
+    accuracy = evaluate_accuracy(drafter.eval(), held_out, cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = target.tokenizer
+    drafter.to(torch.bfloat16).save(out, layout, tok.bos_token_id, tok.eos_token_id)
+    state = saved["state"]
+    n_seq = len(sequences)
+    n_tokens = sum(len(t) for t, _, _ in sequences)
+    card = [
+        f"# DFlash drafter for {target.directory.name}",
+        "",
+        "Trained by `ddtree train-drafter` (self-distillation: the target's own greedy responses).",
+        "",
+        f"- architecture: {cfg.num_layers} layers, block size {cfg.block_size}, target layers {list(layer_ids)}, "
+        f"mask token {drafter.config.mask_token_id}; weights bf16; draft vocabulary "
+        f"{drafter.config.draft_vocab_size or drafter.config.vocab_size} of {drafter.config.vocab_size} tokens",
+        f"- data: {n_seq} sequences, {n_tokens} tokens ({data_note or 'see the training command'}); "
+        f"held out: the first {len(held_out)} sequences",
+        f"- steps: {state['step']} (batch {cfg.sequences_per_step} sequences x {cfg.anchors_per_sequence} anchors), "
+        f"final loss (EMA) {state['loss_ema']:.3f}",
+        f"- held-out top-1 accuracy per block position: {', '.join(f'{a:.2f}' for a in accuracy)}",
+    ]
+    if eval_summary:
+        card += ["", eval_summary]
+    (out / "README.md").write_text("\n".join(card) + "\n")
+    return out

@@ -1,0 +1,209 @@
+"""Stage 2 of `ddtree train-drafter`: train the drafter on the data stage's shards.
+
+The DFlash recipe: random anchors inside the responses; block [token at anchor, MASK x (B-1)];
+context features strictly before the anchor; bidirectional attention in the block; label at
+block position k = token at anchor + k; cross-entropy weighted by exp(-(k-1)/gamma); the target,
+its embedding and LM head frozen; AdamW, linear warmup, cosine decay to a tenth of the peak
+learning rate. train/checkpoint.pt is rewritten as it goes, so a run stopped anywhere resumes.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..workers.drafter import DFlashConfig, DFlashDrafter
+from ..workers.loading import LoadedTarget
+from .data import load_sequences
+
+@dataclass
+class TrainConfig:
+    block_size: int = 8
+    num_layers: int = 2
+    mask_token_id: int | None = None
+    gamma: float = 5.0  # position weight exp(-(k-1)/gamma)
+    steps: int = 3000
+    sequences_per_step: int = 4
+    anchors_per_sequence: int = 24
+    lr: float = 6e-4
+    warmup: int = 100
+    weight_decay: float = 0.01
+    seed: int = 0
+    held_out: float = 0.05  # share of sequences kept for held-out accuracy
+    checkpoint_every: int = 100
+    snapshot_every: int = 1000  # keep the drafter's weights at these steps (train/snapshots/)
+    # The drafter's head covers the tokens of the training data plus token ids below this floor
+    # (byte-level BPE ids roughly follow merge order, so low ids are the common pieces); None: the
+    # whole vocabulary. It makes the head, the costliest part of a training step, ~4x cheaper.
+    vocab_floor: int | None = 8192
+
+
+def draft_vocabulary(sequences, cfg: TrainConfig, vocab_size: int) -> torch.Tensor | None:
+    """Sorted token ids for the drafter's head, or None for the whole vocabulary."""
+    if cfg.vocab_floor is None or cfg.vocab_floor >= vocab_size:
+        return None
+    seen = torch.cat([tokens for tokens, _, _ in sequences] + [torch.arange(cfg.vocab_floor)])
+    return seen.unique()
+
+
+def init_drafter(target: LoadedTarget, cfg: TrainConfig, layer_ids, saved: dict | None = None) -> DFlashDrafter:
+    """A drafter whose layers start as copies of the target's last layers (same shapes); with
+    `saved` (a state dict from a checkpoint), that drafter instead, draft vocabulary included."""
+    t = target.model.config
+    config = DFlashConfig(
+        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_hidden_layers=cfg.num_layers,
+        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads, head_dim=t.head_dim,
+        vocab_size=t.vocab_size, rms_norm_eps=t.rms_norm_eps, rope_theta=t.rope_theta, block_size=cfg.block_size,
+        num_target_layers=t.num_hidden_layers, target_layer_ids=tuple(layer_ids),
+        mask_token_id=cfg.mask_token_id if cfg.mask_token_id is not None else t.vocab_size - 1,
+    )
+    torch.manual_seed(cfg.seed)
+    drafter = DFlashDrafter(config, target.model).float()
+    source = target.model.model.layers[-cfg.num_layers:]
+    with torch.no_grad():
+        for mine, theirs in zip(drafter.layers, source):
+            own = mine.state_dict()
+            for name, tensor in theirs.state_dict().items():
+                if name in own:
+                    own[name].copy_(tensor)
+        torch.nn.init.normal_(drafter.fc.weight, std=0.02)
+        drafter.norm.weight.copy_(target.model.model.norm.weight)
+    if saved is not None:
+        if "draft_vocab" in saved:
+            drafter.set_draft_vocab(saved["draft_vocab"])
+        drafter.load_state_dict(saved)
+    return drafter
+
+
+def position_weights(block: int, gamma: float) -> torch.Tensor:
+    return torch.exp(-(torch.arange(1, block) - 1) / gamma)
+
+
+def sample_anchors(length: int, response_start: int, block: int, count: int, rng: random.Random) -> list[int]:
+    """Anchors inside the response whose whole block has labels; context is never empty."""
+    lo, hi = max(response_start, 1), length - block
+    if hi < lo:
+        return []
+    return sorted(rng.sample(range(lo, hi + 1), min(count, hi - lo + 1)))
+
+
+def block_loss(drafter, tokens, features, anchors, weights):
+    """Weighted cross-entropy and top-1 hits per position for one sequence's blocks."""
+    s = drafter.block_size
+    logits = drafter.block_logits(features, tokens, anchors).float()  # [A, S-1, V_d]
+    labels = drafter.draft_ids(tokens[anchors[:, None] + torch.arange(1, s)])  # [A, S-1]; -100: not in V_d
+    ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
+    loss = (ce.view_as(labels) * weights).sum() / (weights.sum() * len(anchors))
+    hits = (logits.argmax(-1) == labels).float().sum(0)  # [S-1]
+    return loss, hits
+
+
+@torch.no_grad()
+def evaluate_accuracy(drafter, sequences, cfg: TrainConfig, anchors_per_sequence: int = 16) -> list[float]:
+    """Held-out top-1 accuracy per block position (1 ... B-1)."""
+    rng = random.Random(1234)
+    weights = position_weights(cfg.block_size, cfg.gamma)
+    hits, count = torch.zeros(cfg.block_size - 1), 0
+    for tokens, features, start in sequences:
+        anchors = sample_anchors(len(tokens), start, cfg.block_size, anchors_per_sequence, rng)
+        if anchors:
+            _, h = block_loss(drafter, tokens, features.float(), torch.tensor(anchors), weights)
+            hits += h
+            count += len(anchors)
+    return (hits / max(count, 1)).tolist()
+
+
+@dataclass
+class TrainState:
+    step: int = 0
+    loss_ema: float | None = None
+    history: list = field(default_factory=list)  # (step, loss_ema, acc@1)
+    held_out: int = 0  # the first `held_out` sequences, fixed at the first step (data may grow)
+
+
+def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids, deadline: float | None = None) -> TrainState:
+    """Trains until cfg.steps or the wall-clock `deadline` (then checkpoints: run again to go on)."""
+    sequences = load_sequences(workdir)
+    if not sequences:
+        raise ValueError(f"no data in {workdir / 'data'}: run the data stage first")
+    target.model.requires_grad_(False)  # frozen: target, embedding and LM head
+    ckpt_dir = workdir / "train"
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = ckpt_dir / "checkpoint.pt"
+    saved = torch.load(ckpt, weights_only=False) if ckpt.is_file() else None
+    state = TrainState(**saved["state"]) if saved else TrainState()
+    if not state.held_out:
+        state.held_out = max(1, int(len(sequences) * cfg.held_out))
+    train_set = sequences[state.held_out :]  # the first sequences are held out (see stage_export)
+    if saved:
+        drafter = init_drafter(target, cfg, layer_ids, saved["drafter"])
+    else:
+        drafter = init_drafter(target, cfg, layer_ids)
+        vocab = draft_vocabulary(train_set, cfg, drafter.config.vocab_size)
+        if vocab is not None:
+            drafter.set_draft_vocab(vocab)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+
+    def lr_at(step):
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    if saved:
+        opt.load_state_dict(saved["optimizer"])
+        sched.load_state_dict(saved["scheduler"])
+
+    def save():
+        tmp = ckpt.with_suffix(".tmp")
+        torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                    "state": asdict(state), "config": asdict(cfg)}, tmp)
+        tmp.replace(ckpt)
+
+    weights = position_weights(cfg.block_size, cfg.gamma)
+    rng = random.Random(cfg.seed * 7919 + state.step)
+    drafter.train()
+    started, trained_tokens = time.perf_counter(), 0
+    acc = torch.zeros(cfg.block_size - 1)
+    with tqdm(total=cfg.steps, initial=state.step, desc="train", unit="step") as bar:
+        while state.step < cfg.steps:
+            if deadline is not None and time.time() > deadline:
+                break
+            opt.zero_grad(set_to_none=True)
+            total, hits, anchors_seen = 0.0, torch.zeros(cfg.block_size - 1), 0
+            for tokens, features, start in rng.sample(train_set, min(cfg.sequences_per_step, len(train_set))):
+                anchors = sample_anchors(len(tokens), start, cfg.block_size, cfg.anchors_per_sequence, rng)
+                if not anchors:
+                    continue
+                # fp32: on this CPU bf16 autocast made the backward pass 30x slower
+                loss, h = block_loss(drafter, tokens, features.float(), torch.tensor(anchors), weights)
+                (loss / cfg.sequences_per_step).backward()
+                total += float(loss.detach()) / cfg.sequences_per_step
+                hits += h
+                anchors_seen += len(anchors)
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            sched.step()
+            state.step += 1
+            trained_tokens += anchors_seen * (cfg.block_size - 1)
+            acc = 0.9 * acc + 0.1 * hits / max(anchors_seen, 1) if state.step > 1 else hits / max(anchors_seen, 1)
+            state.loss_ema = total if state.loss_ema is None else 0.98 * state.loss_ema + 0.02 * total
+            bar.set_postfix(loss=f"{state.loss_ema:.3f}", acc="/".join(f"{a:.2f}" for a in acc[:4].tolist()),
+                            tok_s=f"{trained_tokens / (time.perf_counter() - started):.0f}")
+            bar.update(1)
+            if state.step % cfg.checkpoint_every == 0 or state.step == cfg.steps:
+                state.history.append((state.step, state.loss_ema, float(acc[0])))
+                save()
+            if cfg.snapshot_every and state.step % cfg.snapshot_every == 0:  # for tau against steps
+                drafter.save(ckpt_dir / "snapshots" / f"step-{state.step:06d}")
+    save()
+    drafter.eval()
+    return state
