@@ -3,6 +3,7 @@ then the exported drafter loads, drafts and is evaluated losslessly."""
 
 from __future__ import annotations
 
+import io
 import json
 import random
 
@@ -12,7 +13,16 @@ import torch
 from ddtree.training.data import load_sequences, plan_prompts, stage_data
 from ddtree.training.evaluate import _rounds, eval_drafter
 from ddtree.training.export import stage_export
-from ddtree.training.train import TrainConfig, block_loss, init_drafter, position_weights, sample_anchors, stage_train
+from ddtree.training.train import (
+    MIN_LR_RATE,
+    TrainConfig,
+    block_loss,
+    init_drafter,
+    lr_schedule,
+    position_weights,
+    sample_anchors,
+    stage_train,
+)
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.loading import load_target
 
@@ -150,3 +160,39 @@ def test_a_grown_data_plan_keeps_its_shards_and_appends_the_new_prompts(tmp_path
     assert grown[:2] == first
     assert sorted(m for shard in grown[2:] for m in shard) == ["q3", "q4", "q5"]
     assert plan_prompts(None, plan, [str(prompts)], 6, 0, batch=2, seed=0) == grown, "a rerun changes nothing"
+
+
+def test_learning_rate_warms_up_then_decays_to_a_tenth_and_resumes_where_it_stopped():
+    """lr_schedule: linear warmup from 0 to cfg.lr over cfg.warmup steps, then cosine decay to
+    cfg.lr * MIN_LR_RATE at cfg.steps. A scheduler rebuilt over a fresh optimizer and loaded from a
+    checkpoint's state dicts (as stage_train resumes) continues the uninterrupted run's rates."""
+    cfg = TrainConfig(steps=20, warmup=4, lr=1e-3)
+
+    def fresh():
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=cfg.lr)
+        return opt, lr_schedule(opt, cfg)
+
+    def rates(opt, sched, steps):
+        out = []
+        for _ in range(steps):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return out
+
+    whole = rates(*fresh(), cfg.steps + 1)
+    assert whole[:5] == pytest.approx([0, cfg.lr / 4, cfg.lr / 2, 3 * cfg.lr / 4, cfg.lr])
+    assert whole[12] == pytest.approx(cfg.lr * (MIN_LR_RATE + (1 - MIN_LR_RATE) / 2)), "cosine: half way at mid-decay"
+    assert whole[cfg.steps] == pytest.approx(cfg.lr * MIN_LR_RATE)
+    assert all(a > b for a, b in zip(whole[4:], whole[5:])), "decays after the warmup"
+
+    opt, sched = fresh()
+    first = rates(opt, sched, 9)
+    buffer = io.BytesIO()
+    torch.save({"optimizer": opt.state_dict(), "scheduler": sched.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    opt, sched = fresh()
+    opt.load_state_dict(saved["optimizer"])
+    sched.load_state_dict(saved["scheduler"])
+    assert first + rates(opt, sched, cfg.steps + 1 - 9) == pytest.approx(whole)

@@ -9,7 +9,6 @@ learning rate. train/checkpoint.pt is rewritten as it goes, so a run stopped any
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from dataclasses import asdict, dataclass, field
@@ -17,10 +16,14 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from ..workers.drafter import DFlashConfig, DFlashDrafter
 from ..workers.loading import LoadedTarget
 from .data import load_sequences
+
+MIN_LR_RATE = 0.1  # the learning rate at the last step, as a share of the peak
+
 
 @dataclass
 class TrainConfig:
@@ -31,8 +34,8 @@ class TrainConfig:
     steps: int = 3000
     sequences_per_step: int = 4
     anchors_per_sequence: int = 24
-    lr: float = 6e-4
-    warmup: int = 100
+    lr: float = 6e-4  # the peak, reached after `warmup` steps; cosine decay to lr * MIN_LR_RATE at `steps`
+    warmup: int = 100  # steps of linear warmup from 0
     weight_decay: float = 0.01
     seed: int = 0
     held_out: float = 0.05  # share of sequences kept for held-out accuracy
@@ -42,6 +45,13 @@ class TrainConfig:
     # (byte-level BPE ids roughly follow merge order, so low ids are the common pieces); None: the
     # whole vocabulary. It makes the head, the costliest part of a training step, ~4x cheaper.
     vocab_floor: int | None = 8192
+
+
+def lr_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warmup from 0 to cfg.lr over cfg.warmup steps, then cosine decay to
+    cfg.lr * MIN_LR_RATE at cfg.steps. Its state_dict holds only the step, so a run resumed with
+    more steps follows the longer schedule from where it stopped."""
+    return get_cosine_with_min_lr_schedule_with_warmup(opt, cfg.warmup, cfg.steps, min_lr_rate=MIN_LR_RATE)
 
 
 def draft_vocabulary(sequences, cfg: TrainConfig, vocab_size: int) -> torch.Tensor | None:
@@ -150,14 +160,7 @@ def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids
             drafter.set_draft_vocab(vocab)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-
-    def lr_at(step):
-        if step < cfg.warmup:
-            return (step + 1) / cfg.warmup
-        progress = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    sched = lr_schedule(opt, cfg)
     if saved:
         opt.load_state_dict(saved["optimizer"])
         sched.load_state_dict(saved["scheduler"])
