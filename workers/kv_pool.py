@@ -24,9 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.batched import tree_attention
-from ..kernels.triton_support import use_triton
-from .model import ModelConfig, TreeBits, attend, slot_mask
+from .model import ModelConfig, block_attention, uses_kernel
 
 
 class PoolFull(RuntimeError):
@@ -147,11 +145,7 @@ class PagedView:
         cols = torch.arange(self.span, device=dev)[None, :]
         valid = cols < (lengths[:, None] + q_len)
         self.read_slots = pool.slots(batch.tables, torch.where(valid, cols, 0)).view(-1)  # [B * span]
-        if isinstance(block_mask, TreeBits) and use_triton(pool.k):
-            self.mask = block_mask
-        else:
-            dense = block_mask.dense() if isinstance(block_mask, TreeBits) else block_mask
-            self.mask = slot_mask(lengths, dense.to(dev), self.span)[:, None]
+        self.attention = block_attention(block_mask, lengths, self.span, uses_kernel(block_mask, pool.k))
 
     def attend(self, layer: int, q, k, v):
         """q [B, Hq, Q, D]; k, v [B, Hkv, Q, D] of the block -> [B, Hq, Q, D]."""
@@ -161,6 +155,4 @@ class PagedView:
         pool_v.index_copy_(0, self.write_slots, v.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(pool_v.dtype))
         keys = pool_k.index_select(0, self.read_slots).view(b, self.span, kv_heads, head_dim).transpose(1, 2)
         values = pool_v.index_select(0, self.read_slots).view(b, self.span, kv_heads, head_dim).transpose(1, 2)
-        if isinstance(self.mask, TreeBits):
-            return tree_attention(q, keys, values, self.lengths, self.mask.bits)
-        return attend(q, keys, values, self.mask)
+        return self.attention(q, keys, values)

@@ -317,15 +317,12 @@ class DenseView:
 
     def __init__(self, cache: KVCache, block_mask, q_len: int):
         self.cache = cache
-        if isinstance(block_mask, TreeBits) and use_triton(cache.k):
-            self.span, self.mask = cache.slots, block_mask  # the kernel bounds each row by its length
-        else:
-            if isinstance(block_mask, TreeBits):
-                block_mask = block_mask.dense()
-            self.span = int(cache.lengths.max()) + q_len
-            if self.span > cache.slots:
-                raise ValueError(f"KV cache has {cache.slots} slots; this block needs {self.span}")
-            self.mask = slot_mask(cache.lengths, block_mask, self.span)[:, None]
+        kernel = uses_kernel(block_mask, cache.k)
+        # the kernel bounds each row by its length; the reference reads [0, longest + Q)
+        self.span = cache.slots if kernel else int(cache.lengths.max()) + q_len
+        if self.span > cache.slots:
+            raise ValueError(f"KV cache has {cache.slots} slots; this block needs {self.span}")
+        self.attention = block_attention(block_mask, cache.lengths, self.span, kernel)
 
     def attend(self, layer: int, q, k, v):
         """q [B, Hq, Q, D]; k, v [B, Hkv, Q, D] of the block -> [B, Hq, Q, D]."""
@@ -334,10 +331,26 @@ class DenseView:
         slots = slots.expand(b, kv_heads, q_len, head_dim)
         cache.k[layer].scatter_(2, slots, k.to(cache.k.dtype))
         cache.v[layer].scatter_(2, slots, v.to(cache.v.dtype))
-        keys, values = cache.k[layer, :, :, : self.span], cache.v[layer, :, :, : self.span]
-        if isinstance(self.mask, TreeBits):
-            return tree_attention(q, keys, values, cache.lengths, self.mask.bits)
-        return attend(q, keys, values, self.mask)
+        return self.attention(q, cache.k[layer, :, :, : self.span], cache.v[layer, :, :, : self.span])
+
+
+def uses_kernel(block_mask, keys: torch.Tensor) -> bool:
+    """Whether the Triton tree-attention kernel serves a block: its mask is TreeBits and the
+    keys are on CUDA. The one place the target's attention picks its route."""
+    return isinstance(block_mask, TreeBits) and use_triton(keys)
+
+
+def block_attention(block_mask, lengths: torch.Tensor, span: int, kernel: bool):
+    """attention(q, keys, values) for a block of Q rows per sequence over key slots [0, span),
+    where slot lengths[b] + j holds block row j: slots below lengths[b] are seen by every row,
+    block slots by `block_mask` ([B, Q, Q] bool, or TreeBits), later slots by none. With
+    `kernel` (TreeBits on CUDA) the Triton tree-attention kernel reads the bits; otherwise one
+    dense [B, 1, Q, span] mask is built here, once per forward, for every layer."""
+    if kernel:
+        return lambda q, keys, values: tree_attention(q, keys, values, lengths, block_mask.bits)
+    dense = block_mask.dense() if isinstance(block_mask, TreeBits) else block_mask
+    mask = slot_mask(lengths, dense.to(lengths.device), span)[:, None]
+    return lambda q, keys, values: attend(q, keys, values, mask)
 
 
 class Attention(nn.Module):
@@ -349,7 +362,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
         self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
-        if c.family == "qwen3":
+        self.qk_norm = c.family == "qwen3"  # Qwen3 normalizes each head's queries and keys
+        if self.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
@@ -361,7 +375,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, q_len, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, q_len, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(b, q_len, self.kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
+        if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)
         k = apply_rope(k.transpose(1, 2), cos, sin)
