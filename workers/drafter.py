@@ -42,12 +42,12 @@ from torch import nn
 
 from .loading import read_safetensors_dir
 from .model import (
-    MLP, RMSNorm, TargetModel, apply_rope, attend, read_rope, require_full_attention, rope_cos_sin, rope_inv_freq,
+    MLP, KVCache, RMSNorm, TargetModel, apply_rope, attend, read_rope, require_full_attention, rope_cos_sin, rope_inv_freq,
 )
 
 
 class Proposer(Protocol):
-    """What the Coordinator needs from a drafter (the DFlash model, or a test oracle)."""
+    """What the drafter backends need from a drafter (the DFlash model, or a test oracle)."""
 
     block_size: int  # B: the block is [bonus, MASK x (B-1)], so B-1 drafted depths
     target_layer_ids: tuple[int, ...]  # target layers whose outputs the drafter reads
@@ -263,40 +263,44 @@ def check_target_layer_ids(ids, num_target_layers: int) -> None:
         )
 
 
-@dataclass
-class DraftCache:
-    """Context keys/values per drafter layer; slots [0, lengths[b]) = committed tokens."""
+def context_attention(cache: KVCache, layer: int, q, k_blk, v_blk, k_ctx, v_ctx):
+    """The drafter's attention over a KVCache holding its context (committed tokens only).
+    Appends the new context keys/values k_ctx, v_ctx [B, Hkv, n, D] (or None) after each row's
+    committed ones; the block q, k_blk, v_blk [B, heads, S, D] -- never cached -- attends over
+    the row's context and the whole block (bidirectional) -> [B, Hq, S, D]. The caller advances
+    cache.lengths by n once every layer has run."""
+    b, s = q.shape[0], q.shape[2]
+    n = k_ctx.shape[2] if k_ctx is not None else 0
+    if n:
+        slots = (cache.lengths[:, None] + torch.arange(n, device=q.device))[:, None, :, None]
+        slots = slots.expand(b, k_ctx.shape[1], n, k_ctx.shape[3])
+        cache.k[layer].scatter_(2, slots, k_ctx.to(cache.k.dtype))
+        cache.v[layer].scatter_(2, slots, v_ctx.to(cache.v.dtype))
+    total = int(cache.lengths.max()) + n
+    keys = torch.cat([cache.k[layer, :, :, :total], k_blk], dim=2)
+    values = torch.cat([cache.v[layer, :, :, :total], v_blk], dim=2)
+    seen = torch.arange(total, device=q.device)[None, :] < (cache.lengths + n)[:, None]
+    mask = torch.cat([seen, torch.ones(b, s, dtype=torch.bool, device=q.device)], dim=1)
+    return attend(q, keys, values, mask[:, None, None, :])
 
-    k: torch.Tensor  # [L, B, Hkv, S, D]
-    v: torch.Tensor  # [L, B, Hkv, S, D]
-    lengths: torch.Tensor  # [B] int64
+
+@dataclass
+class _WholeCache:
+    """A cache of B rows drafting together, each with the same number of new context tokens."""
+
+    cache: KVCache
 
     def attend(self, layer: int, q, k_blk, v_blk, k_ctx, v_ctx):
-        """Appends the new context keys/values k_ctx, v_ctx [B, Hkv, n, D] (or None) after each
-        row's committed ones; the block q, k_blk, v_blk [B, heads, S, D] attends over the row's
-        context and the whole block (bidirectional) -> [B, Hq, S, D]."""
-        b, s = q.shape[0], q.shape[2]
-        n = k_ctx.shape[2] if k_ctx is not None else 0
-        if n:
-            slots = (self.lengths[:, None] + torch.arange(n, device=q.device))[:, None, :, None]
-            slots = slots.expand(b, k_ctx.shape[1], n, k_ctx.shape[3])
-            self.k[layer].scatter_(2, slots, k_ctx.to(self.k.dtype))
-            self.v[layer].scatter_(2, slots, v_ctx.to(self.v.dtype))
-        total = int(self.lengths.max()) + n
-        keys = torch.cat([self.k[layer, :, :, :total], k_blk], dim=2)
-        values = torch.cat([self.v[layer, :, :, :total], v_blk], dim=2)
-        seen = torch.arange(total, device=q.device)[None, :] < (self.lengths + n)[:, None]
-        mask = torch.cat([seen, torch.ones(b, s, dtype=torch.bool, device=q.device)], dim=1)
-        return attend(q, keys, values, mask[:, None, None, :])
+        return context_attention(self.cache, layer, q, k_blk, v_blk, k_ctx, v_ctx)
 
 
 @dataclass
 class RowCaches:
-    """Separate one-row DraftCaches drafting together: one block per row, the rows' new
-    context tokens concatenated (counts[r] of them for row r), attention row by row over each
-    row's own context, every projection batched."""
+    """Separate one-row caches drafting together: one block per row, the rows' new context
+    tokens concatenated (counts[r] of them for row r), attention row by row over each row's own
+    context, every projection batched."""
 
-    caches: list[DraftCache]  # one-row caches
+    caches: list[KVCache]  # one-row caches
     counts: list[int]  # new context tokens per row
 
     def attend(self, layer: int, q, k_blk, v_blk, k_ctx, v_ctx):
@@ -304,7 +308,7 @@ class RowCaches:
         out, at = [], 0
         for r, (cache, n) in enumerate(zip(self.caches, self.counts)):
             part = (k_ctx[:, :, at : at + n], v_ctx[:, :, at : at + n]) if n else (None, None)
-            out.append(cache.attend(layer, q[r : r + 1], k_blk[r : r + 1], v_blk[r : r + 1], *part))
+            out.append(context_attention(cache, layer, q[r : r + 1], k_blk[r : r + 1], v_blk[r : r + 1], *part))
             at += n
         return torch.cat(out, dim=0)
 
@@ -327,7 +331,7 @@ class DraftAttention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, block_rope, ctx, ctx_rope, layer: int, cache: DraftCache):
+    def forward(self, x, block_rope, ctx, ctx_rope, layer: int, cache):  # cache: _WholeCache or RowCaches
         """x [B, S, H] block; ctx [B, n, H] new context (fc + norm of target features)."""
         b, s, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim)).transpose(1, 2)
@@ -433,24 +437,18 @@ class DFlashDrafter(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.fc.weight.dtype
 
-    def new_cache(self, batch: int, slots: int) -> DraftCache:
-        c = self.config
-        shape = (c.num_hidden_layers, batch, c.num_key_value_heads, slots, c.head_dim)
-        dev = self.fc.weight.device
-        return DraftCache(
-            torch.zeros(shape, dtype=self.dtype, device=dev),
-            torch.zeros(shape, dtype=self.dtype, device=dev),
-            torch.zeros(batch, dtype=torch.int64, device=dev),
-        )
+    def new_cache(self, batch: int, slots: int) -> KVCache:
+        """The context cache: the same KVCache type as the target's, over the drafter's layers."""
+        return KVCache.allocate(self.config, batch, slots, self.dtype, self.fc.weight.device)
 
-    def hidden(self, cache: DraftCache, features, bonus, start) -> torch.Tensor:
+    def hidden(self, cache: KVCache, features, bonus, start) -> torch.Tensor:
         """The drafter's final hidden states [B, S, H] for the block at positions start + i;
         appends the context keys/values of `features` to `cache`."""
         n = features.shape[1]
         if not torch.equal(cache.lengths + n, start):
             raise ValueError(f"drafter cache holds {cache.lengths.tolist()} tokens + {n} new, but the bonus sits at {start.tolist()}")
         ctx_pos = cache.lengths[:, None] + torch.arange(n, device=bonus.device)
-        x = self._run(features, bonus, start, ctx_pos, cache)
+        x = self._run(features, bonus, start, ctx_pos, _WholeCache(cache))
         cache.lengths += n
         return x
 
@@ -490,7 +488,7 @@ class DFlashDrafter(nn.Module):
         return self.head(self.norm(x[:, 1:]))
 
     @torch.inference_mode()
-    def draft_rows(self, caches: list[DraftCache], features: list[torch.Tensor], bonus, start) -> torch.Tensor:
+    def draft_rows(self, caches: list[KVCache], features: list[torch.Tensor], bonus, start) -> torch.Tensor:
         """Many sequences' drafts in one pass: caches[r] is row r's one-row cache, features[r]
         [1, n_r, F] its new target features, bonus [R], start [R] -> log-probs [R, B_blk - 1, V]
         (each row what `draft` would give it alone, up to float summation order)."""
@@ -508,17 +506,17 @@ class DFlashDrafter(nn.Module):
         return self._to_vocab(logprobs)
 
     @torch.inference_mode()
-    def draft(self, cache: DraftCache, features, bonus, start) -> torch.Tensor:
+    def draft(self, cache: KVCache, features, bonus, start) -> torch.Tensor:
         logprobs = torch.log_softmax(self._logits(cache, features, bonus, start).double(), dim=-1)
         return self._to_vocab(logprobs)
 
     @torch.inference_mode()
-    def draft_logits(self, cache: DraftCache, features, bonus, start) -> torch.Tensor:
+    def draft_logits(self, cache: KVCache, features, bonus, start) -> torch.Tensor:
         """The block's logits [B, B_blk - 1, V] (draft() is their log-softmax); -inf for
         tokens outside the draft vocabulary."""
         return self._to_vocab(self._logits(cache, features, bonus, start))
 
-    def _logits(self, cache: DraftCache, features, bonus, start) -> torch.Tensor:
+    def _logits(self, cache: KVCache, features, bonus, start) -> torch.Tensor:
         dev = self.fc.weight.device  # inputs may come from another device or process
         features, bonus, start = features.to(dev), bonus.to(dev), start.to(dev)
         return self.head(self.hidden(cache, features, bonus, start)[:, 1:])
