@@ -170,12 +170,12 @@ def test_no_import_cycle_counting_lazy_imports():
 
 
 # Runs in a fresh interpreter: imports the third-party libraries the package imports at import
-# time, then forks one child per module; each child starts with no module of this package loaded,
-# imports its module and reports a traceback, or nothing, through a pipe. The package comes from
-# this checkout (a finder over pyproject's package-dir, first on sys.meta_path), not from
-# wherever it was installed.
+# time, then forks one child per module (a few at a time); each child starts with no module of
+# this package loaded, imports its module and writes a traceback, or nothing, to a file of its
+# own. The package comes from this checkout (a finder over pyproject's package-dir, first on
+# sys.meta_path), not from wherever it was installed.
 _IMPORT_EACH = r"""
-import importlib, importlib.util, json, os, sys, traceback
+import importlib, importlib.util, json, os, shutil, sys, tempfile, traceback
 package, names, third_party, package_dirs = json.loads(sys.argv[1])
 
 
@@ -197,24 +197,38 @@ for lib in third_party:
         pass  # the child whose module needs it reports the error
 assert not [m for m in sys.modules if m.split(".")[0] == package], "the parent imported the package"
 failures = {}
+reports = tempfile.mkdtemp()
+running = {}  # pid -> module
+
+
+def reap():
+    pid, status = os.wait()
+    name = running.pop(pid, None)
+    if name is None:  # not one of ours
+        return
+    path = os.path.join(reports, name)
+    report = open(path).read() if os.path.exists(path) else ""
+    if report or status:
+        failures[name] = report or f"the child exited with status {status}"
+
+
 for name in names:
-    read_end, write_end = os.pipe()
+    if len(running) >= min(4, os.cpu_count() or 1):
+        reap()
     pid = os.fork()
     if pid == 0:
-        os.close(read_end)
         try:
             module = importlib.import_module(name)
             report = "" if module.__file__.startswith(os.getcwd()) else f"imported from {module.__file__}"
         except BaseException:
             report = traceback.format_exc()
-        os.write(write_end, report.encode())
+        with open(os.path.join(reports, name), "w") as out:
+            out.write(report)
         os._exit(0)
-    os.close(write_end)
-    with os.fdopen(read_end, "rb") as pipe:
-        report = pipe.read().decode()
-    _, status = os.waitpid(pid, 0)
-    if report or status:
-        failures[name] = report or f"the child exited with status {status}"
+    running[pid] = name
+while running:
+    reap()
+shutil.rmtree(reports)
 print(json.dumps(failures))
 """
 
@@ -245,7 +259,7 @@ def test_every_module_imports_on_its_own():
     assert proc.returncode == 0, proc.stderr
     failures = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not failures, "modules that do not import on their own:\n" + "\n".join(
-        f"--- {name}\n{report}" for name, report in failures.items())
+        f"--- {name}\n{report}" for name, report in sorted(failures.items()))
 
 
 def test_every_package_folder_is_listed_in_pyproject():
