@@ -49,8 +49,8 @@ class TrainConfig:
 
 def lr_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warmup from 0 to cfg.lr over cfg.warmup steps, then cosine decay to
-    cfg.lr * MIN_LR_RATE at cfg.steps. Its state_dict holds only the step, so a run resumed with
-    more steps follows the longer schedule from where it stopped."""
+    cfg.lr * MIN_LR_RATE at cfg.steps. Its state_dict holds the step and the peak, not the shape,
+    so a run resumed with more steps follows the longer schedule from where it stopped."""
     return get_cosine_with_min_lr_schedule_with_warmup(opt, cfg.warmup, cfg.steps, min_lr_rate=MIN_LR_RATE)
 
 
