@@ -20,9 +20,13 @@ import torch
 from .config import SamplingParams
 from .engine import Engine
 from .kernels.tree import Tree, build_tree, verify_block
+from .workers.requests import PHASES as ROUND_PHASES
 
 PROMPT_LOOKUP_TOKENS = 10
-PHASES = ("draft", "tree", "verify", "commit", "other")
+# The round phases (workers.requests.PHASES; the step loop's verify time includes any transport)
+# and "other": prefill and the rest of the decode time.
+TIMED = tuple(p for p in ROUND_PHASES if p != "transport")
+PHASES = (*TIMED, "other")
 
 
 def read_prompts(path: str | Path, limit: int | None) -> list[str]:
@@ -65,6 +69,8 @@ class Row:
 def verify_costs(engine: Engine, sizes: list[int], context: int = 300, repeats: int = 7) -> dict[int, float]:
     """Median seconds of one target pass over q tree tokens after a `context`-token cache."""
     model = engine.target.model
+    if model is None:
+        raise ValueError("bench times the target's forward in this process: run it at tp 1")
     cache = model.new_cache(1, context + max(sizes) + 1)
     ids = torch.randint(0, model.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
     model(ids, torch.arange(context)[None], model.prefill_mask(context), cache)
@@ -124,7 +130,7 @@ def run_bench(
         mode, budget = setting
         start = time.perf_counter()
         if mode == "ddtree":
-            result = engine.scheduler.generate([engine.request(prompt, tokens, greedy, budget=budget)])[0]
+            result = engine.generate([engine.request(prompt, tokens, greedy, budget=budget)])[0]
             output = result.tokens
         else:
             result, output = None, hf.generate(prompt, tokens, prompt_lookup=mode == "hf-prompt-lookup")
@@ -140,10 +146,10 @@ def run_bench(
             row.rounds += len(result.rounds)
             row.phase_s["other"] += result.prefill_s
             for r in result.rounds:
-                for phase in PHASES[:-1]:
+                for phase in TIMED:
                     row.phase_s[phase] += getattr(r, f"{phase}_s")
             row.phase_s["other"] += result.decode_s - sum(
-                getattr(r, f"{p}_s") for r in result.rounds for p in PHASES[:-1]
+                getattr(r, f"{p}_s") for r in result.rounds for p in TIMED
             )
             row.round_tokens += n - 1
 

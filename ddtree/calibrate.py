@@ -55,11 +55,11 @@ def measure(engine, candidates=CANDIDATES) -> dict:
     tokens = dict.fromkeys(candidates, 0)
     seconds = dict.fromkeys(candidates, 0.0)
     for b in candidates:  # warm-up
-        engine.scheduler.generate([engine.request(prompts[0], 4, greedy, budget=b)])
+        engine.generate([engine.request(prompts[0], 4, greedy, budget=b)])
     for prompt in prompts:
         for b in candidates:
             start = time.perf_counter()
-            result = engine.scheduler.generate([engine.request(prompt, PROBE_TOKENS, greedy, budget=b)])[0]
+            result = engine.generate([engine.request(prompt, PROBE_TOKENS, greedy, budget=b)])[0]
             seconds[b] += time.perf_counter() - start
             tokens[b] += len(result.tokens)
     return {b: tokens[b] / seconds[b] for b in candidates}

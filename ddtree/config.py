@@ -73,7 +73,6 @@ class ModelPairConfig(BaseModel):
     )
     block_size: int = Field(8, ge=2, description="Block size of the untrained default drafter.")
     dtype: Literal["float32", "float64", "bfloat16"] = Field("float32", description="Weights dtype.")
-    static_shapes: bool = Field(True, description="Pad every verify pass to budget + 1 rows.")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the models run: 'auto' = CUDA when a GPU is visible, else CPU."
     )

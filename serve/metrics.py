@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from ray.serve import metrics
 
+from ..workers.requests import PHASES as ROUND_PHASES
+
 LATENCY_BOUNDARIES_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 ACCEPTED_BOUNDARIES = [0.5 + i for i in range(32)]  # bucket i holds an accepted length of i
-PHASES = ("draft", "tree", "verify", "commit")
+# The round phases the step loop times (workers.requests.PHASES but transport, which only the
+# solo loop separates: the step loop's verify time includes any transport).
+PHASES = tuple(p for p in ROUND_PHASES if p != "transport")
 
 
 class EngineMetrics:

@@ -51,8 +51,9 @@ def test_bad_arguments_get_a_clear_error(args, message):
 
 
 @pytest.mark.slow
+@pytest.mark.ray  # in the `ddtree generate` subprocess
 def test_generate_with_tp2_runs_the_distributed_engine(tiny_chat_model):
-    """`--tp 2` starts a local Ray cluster, places a Coordinator, a Drafter and two TargetShard
+    """`--tp 2` starts a local Ray cluster, places a SchedulerActor, a Drafter and two TargetShard
     actors, and prints what the in-process engine gives (float64: exactly the same tokens)."""
     from ddtree.config import GenerateConfig
     from ddtree.engine import Engine
@@ -60,7 +61,8 @@ def test_generate_with_tp2_runs_the_distributed_engine(tiny_chat_model):
     prompt = "Tell me about trees."
     config = GenerateConfig(model=str(tiny_chat_model), dtype="float64", budget=16, max_tokens=10,
                             sampling=SamplingParams(temperature=0.9, seed=3))
-    expected = Engine.from_config(config).generate([prompt], config)[0]
+    engine = Engine.from_config(config)
+    expected = engine.generate(engine.chat_requests([prompt], config))[0]
     proc = run("--model", str(tiny_chat_model), "--dtype", "float64", "--budget", "16", "--max-tokens", "10",
                "--json", "--prompt", prompt, "--seed", "3", "--temperature", "0.9", "--tp", "2")
     assert proc.returncode == 0, proc.stderr

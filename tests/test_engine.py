@@ -1,0 +1,63 @@
+"""ddtree.engine.Engine, the API the CLI, bench and calibration call: generate and stream run
+the step loop on the caller's thread; the budget rules have one owner (workers.requests)."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from ddtree.config import ModelPairConfig, SamplingParams
+from ddtree.engine import Engine
+
+from .helpers import hf_greedy
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_chat_model):
+    return Engine.from_config(ModelPairConfig(model=str(tiny_chat_model), budget=0, block_size=4, dtype="float64"))
+
+
+def test_stream_emits_the_tokens_generate_gives_and_ends_with_the_result(engine, tiny_chat_model):
+    """Greedy at budget 4: the streamed updates concatenate to generate's tokens, which are the
+    target's own greedy tokens (transformers, float64); only the last update carries a result."""
+    prompt = engine.render_chat([{"role": "user", "content": "Tell me about trees."}])
+    request = engine.request(prompt, 12, SamplingParams(), budget=4)
+    updates = list(engine.stream(request))
+    streamed = [t for u in updates for t in u.new_tokens]
+    assert [u.result is not None for u in updates] == [False] * (len(updates) - 1) + [True]
+    assert streamed == updates[-1].result.tokens == engine.generate([request])[0].tokens
+    hf = AutoModelForCausalLM.from_pretrained(tiny_chat_model, dtype="float64").eval()
+    reference = hf_greedy(hf, prompt, 12)
+    cut = next((i + 1 for i, t in enumerate(reference) if t in engine.eos_token_ids), len(reference))
+    assert streamed == reference[:cut]
+
+
+def test_a_stream_left_early_frees_its_sequence(engine):
+    """A consumer that stops reading after the first update: its sequence is cancelled and
+    leaves at the next step, and every KV page comes back."""
+    prompt = engine.render_chat([{"role": "user", "content": "What is a cache?"}])
+    updates = engine.stream(engine.request(prompt, 50, SamplingParams(), budget=4))
+    next(updates)
+    assert len(engine.scheduler.running) == 1
+    updates.close()
+    engine.scheduler.step()
+    stats = engine.scheduler.stats()
+    assert engine.scheduler.running == [] and stats["free_pages"] == stats["pages"]
+    assert stats["cancelled"] >= 1
+
+
+@pytest.mark.parametrize("budget, rows", [(0, 1), (1, 2), ("chain", 5), (4, 5), (16, 17), (20, 33)])
+def test_verify_len_is_the_tree_rows_bucketed(engine, budget, rows):
+    """Root + budget nodes (a chain: one per drafted depth of block 4 = 3), padded up to the
+    next verify bucket 1, 2, 3, 5, 9, 17, 33, ..."""
+    assert engine.verify_len(budget) == rows
+
+
+def test_budgets_are_checked_by_one_rule_with_the_servers_cap(engine):
+    assert engine.check_budget("7") == 7 and engine.check_budget("chain") == "chain"
+    assert engine.check_budget(64, max_budget=64) == 64
+    with pytest.raises(ValueError, match="exceeds this server's max_budget of 64"):
+        engine.check_budget(65, max_budget=64)
+    for bad in (-1, True, 2.5, "many"):
+        with pytest.raises(ValueError, match="budget must be"):
+            engine.check_budget(bad)
