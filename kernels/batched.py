@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .sampling import inverse_cdf, uniform
-from .tree import Tree, ancestor_mask, compact_kv, greedy_walk
+from .tree import Tree, ancestor_mask, compact_kv, walk_tree
 from .tree_batch import TreeBatch, TreeMeta, WalkBatch, pack_bits, unpack_bits
 from .triton_support import use_triton
 
@@ -96,7 +96,7 @@ def walk_batch_ref(batch: TreeBatch, choices: torch.Tensor) -> WalkBatch:
     for row in range(b):
         n = int(batch.sizes[row])
         tree = Tree(batch.tokens[row, :n].cpu(), batch.parents[row, :n].cpu(), torch.zeros(n, dtype=torch.int64))
-        walk = greedy_walk(tree, choices[row, :n].cpu())
+        walk = walk_tree(tree, choices[row, :n].cpu())
         path[row, : len(walk.path)] = torch.tensor(walk.path)
         length[row], bonus[row] = len(walk.path), walk.bonus
     dev = choices.device

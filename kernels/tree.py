@@ -191,10 +191,9 @@ class Walk:
     bonus: int  # the target's token after the path
 
 
-def greedy_walk(tree: Tree, target_tokens: torch.Tensor) -> Walk:
+def walk_tree(tree: Tree, target_tokens: torch.Tensor) -> Walk:
     """target_tokens [N]: the target's choice at each node -- its argmax when greedy, or its
-    seeded draw for the position after the node when sampling (which makes this the sampled
-    walk too). From the root, follow the child whose token equals the target's choice at the
+    seeded draw for the position after the node when sampling (one walk for both). From the root, follow the child whose token equals the target's choice at the
     current node; stop when none does; the choice there is the bonus.
 
     Example: tokens [7, 0, 1, 1], parents [-1, 0, 1, 0], target_tokens [0, 5, 9, 9]

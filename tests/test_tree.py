@@ -15,7 +15,7 @@ from ddtree.kernels.tree import (
     build_tree,
     chain_tree,
     compact_kv,
-    greedy_walk,
+    walk_tree,
     verify_block,
 )
 
@@ -129,11 +129,11 @@ def test_reused_block_forgets_the_previous_round():
 
 def test_greedy_walk_worked_example():
     tree = Tree(torch.tensor([7, 0, 1, 1]), torch.tensor([-1, 0, 1, 0]), torch.tensor([0, 1, 2, 1]))
-    walk = greedy_walk(tree, torch.tensor([0, 5, 9, 9]))
+    walk = walk_tree(tree, torch.tensor([0, 5, 9, 9]))
     assert walk.path == [0, 1] and walk.bonus == 5
-    walk = greedy_walk(tree, torch.tensor([1, 5, 9, 4]))
+    walk = walk_tree(tree, torch.tensor([1, 5, 9, 4]))
     assert walk.path == [0, 3] and walk.bonus == 4
-    walk = greedy_walk(tree, torch.tensor([0, 1, 8, 9]))
+    walk = walk_tree(tree, torch.tensor([0, 1, 8, 9]))
     assert walk.path == [0, 1, 2] and walk.bonus == 8
 
 

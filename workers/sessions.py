@@ -20,7 +20,7 @@ from typing import Protocol
 
 from ..config import SamplingParams
 from ..kernels.batched import compact_kv_batch, topk_logprobs, tree_metadata, walk_batch
-from ..kernels.tree import Candidates, Tree, VerifyBlock, compact_kv, greedy_walk, verify_block
+from ..kernels.tree import Candidates, Tree, VerifyBlock, compact_kv, walk_tree, verify_block
 from ..kernels.tree_batch import TreeBatch
 from ..kernels.triton_support import use_triton
 from .drafter import Proposer
@@ -123,7 +123,7 @@ class TargetSession:
         # position after the node); follow the path it agrees with, then its bonus token.
         after = (start + tree.depths + 1).tolist()
         choices = self.model.parallel.choose(out.logits[0, : vb.num_nodes], sampling, seed, after)
-        walk = greedy_walk(tree, choices)
+        walk = walk_tree(tree, choices)
 
         # Commit on the target: keep the path's KV rows (their RoPE positions are already right).
         compact_kv(self.cache.k, self.cache.v, 0, start, walk.path)

@@ -14,7 +14,7 @@ from tqdm import tqdm
 
 from ..config import SamplingParams
 from ..engine import default_chat_template_kwargs
-from ..kernels.tree import Candidates, greedy_walk, grow_tree
+from ..kernels.tree import Candidates, walk_tree, grow_tree
 from ..workers.loading import LoadedTarget
 from ..workers.requests import Request
 from ..workers.scheduler import BatchLimits, Scheduler
@@ -79,7 +79,7 @@ def _rounds(drafts: list[Candidates], output: list[int], budget) -> int:
         tree = grow_tree(output[i], Candidates([lp[:k] for lp in c.logprobs], [t[:k] for t in c.tokens]),
                          len(c.tokens) if budget == "chain" else budget)
         choice = torch.tensor([output[i + d + 1] if i + d + 1 < n else -1 for d in tree.depths.tolist()])
-        i += len(greedy_walk(tree, choice).path)
+        i += len(walk_tree(tree, choice).path)
         rounds += 1
     return rounds
 
