@@ -23,6 +23,10 @@ from typing import Annotated, Any, AsyncIterator, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from openai.types import Completion, CompletionChoice, CompletionUsage, Model
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
+from openai.types.chat import chat_completion, chat_completion_chunk
+from openai.types.shared import ErrorObject
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 from ray import serve
 from ray.exceptions import ActorUnavailableError, RayActorError
@@ -35,6 +39,15 @@ from .config import ServeConfig
 logger = logging.getLogger("ray.serve")
 
 HEALTH_TIMEOUT_S = 5.0  # /health waits this long for an engine replica before saying 503
+# Until an engine replica has answered this ingress once, /health waits only this long for the
+# first answer: an engine that is up answers in milliseconds, one still loading says "loading".
+HEALTH_FIRST_ANSWER_S = 1.0
+# /health's 503s: status -> (error code, message)
+UNHEALTHY = {
+    "loading": ("engine_loading", "the engine is loading the model; retry shortly"),
+    "unavailable": ("engine_unavailable", "no engine replica answers; retry shortly"),
+    "draining": ("draining", "the server is shutting down; retry on another replica"),
+}
 ENGINE_DEPLOYMENT = "DDTreeEngine"
 
 # --- request schemas --------------------------------------------------------------------------
@@ -202,17 +215,20 @@ class CompletionRequest(_Sampling):
 ERROR_TYPES = {429: "rate_limit_error"}  # else OpenAI's: invalid_request_error below 500
 
 
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """{"error": {"message", "type", "param", "code"}}: OpenAI's error shape (the openai client
+    raises it as the APIError of `status`)."""
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
+    param = None if param is None else _encodable_text(param)
+    error = ErrorObject(message=_encodable_text(message), type=kind, param=param, code=code)
+    return {"error": error.model_dump(exclude_unset=True)}
+
+
 def error_response(
     status: int, message: str, param: str | None = None, code: str | None = None,
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_error")
-    param = None if param is None else _encodable_text(param)
-    return JSONResponse(
-        status_code=status,
-        content={"error": {"message": _encodable_text(message), "type": kind, "param": param, "code": code}},
-        headers=headers,
-    )
+    return JSONResponse(status_code=status, content=error_body(status, message, param, code), headers=headers)
 
 
 def _encodable_text(text: str) -> str:
@@ -221,10 +237,17 @@ def _encodable_text(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def error_event(status: int, message: str, code: str | None = None) -> dict:
-    """The payload of an SSE error event: OpenAI's error shape (the openai client raises it)."""
-    kind = "invalid_request_error" if status < 500 else "internal_error"
-    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+def error_event(status: int, message: str, code: str | None = None) -> str:
+    """An SSE error event: OpenAI's error shape (the openai client raises it mid-stream)."""
+    return sse_event(error_body(status, message, code=code))
+
+
+def sse_event(payload: BaseModel | dict) -> str:
+    """One server-sent event carrying `payload` as JSON. An openai type is written with only
+    the fields set on it (OpenAI's wire shape: no null service_tier, system_fingerprint, ...)."""
+    if isinstance(payload, BaseModel):
+        return f"data: {payload.model_dump_json(exclude_unset=True)}\n\n"
+    return f"data: {json.dumps(payload)}\n\n"
 
 
 def _body_path(body: Any, loc: list) -> list[str]:
@@ -389,10 +412,6 @@ async def _unexpected(request: Request, err: Exception):
 # --- the ingress deployment -------------------------------------------------------------------
 
 
-def _sse(payload: Any) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
-
-
 @serve.deployment
 @serve.ingress(app)
 class OpenAIIngress:
@@ -402,22 +421,45 @@ class OpenAIIngress:
         self.engine = engine.options(stream=True)
         self.info = engine.model_info
         self.guard = Guard(self.config)
+        self.first_answer: asyncio.Future | None = None  # the engine's first answer to this ingress
 
     @app.get("/health")
     async def health(self):
-        """200 {"status": "ok"} when an engine replica answers; 503 with "draining", "loading"
-        (no engine replica running yet, e.g. one restarting) or "unavailable" otherwise."""
+        """200 {"status": "ok"} when an engine replica answers. Otherwise 503 with Retry-After and
+        OpenAI's error shape beside a "status": "draining" (after SIGTERM), "loading" (no engine
+        replica running yet: said at once while the first one builds the model, which the
+        ingress does not wait for; later, while one restarts) or "unavailable"."""
         if self.guard.draining:
-            return JSONResponse({"status": "draining"}, 503, self.guard.retry_after)
-
-        async def ping():
-            return await self.info.remote()
-
+            return self._unhealthy("draining")
+        if not await self._engine_answered():
+            return self._unhealthy("loading")
         try:
-            await asyncio.wait_for(ping(), HEALTH_TIMEOUT_S)
+            await asyncio.wait_for(self._ping(), HEALTH_TIMEOUT_S)
         except Exception:
-            return JSONResponse({"status": await self._engine_state()}, 503, self.guard.retry_after)
+            return self._unhealthy(await self._engine_state())
         return {"status": "ok"}
+
+    def _unhealthy(self, state: str) -> JSONResponse:
+        code, message = UNHEALTHY[state]
+        body = {"status": state, **error_body(503, message, code=code)}
+        return JSONResponse(body, 503, self.guard.retry_after)
+
+    async def _ping(self) -> dict:
+        return await self.info.remote()
+
+    async def _engine_answered(self) -> bool:
+        """Whether an engine replica has answered this ingress yet. Serve starts the ingress
+        without waiting for the engine deployment's constructor (minutes for a large model), and
+        a call to the engine waits until a replica runs; so the first call waits in a task of its
+        own, and /health waits for it at most HEALTH_FIRST_ANSWER_S."""
+        if self.first_answer is not None and self.first_answer.done():
+            if self.first_answer.exception() is None:
+                return True
+            self.first_answer = None  # e.g. the replica died before answering: ask again
+        if self.first_answer is None:
+            self.first_answer = asyncio.ensure_future(self._ping())
+        done, _ = await asyncio.wait({self.first_answer}, timeout=HEALTH_FIRST_ANSWER_S)
+        return bool(done) and self.first_answer.exception() is None
 
     async def _engine_state(self) -> str:
         """"loading" while the engine deployment has no running replica, else "unavailable"."""
@@ -443,10 +485,9 @@ class OpenAIIngress:
     @app.get("/v1/models")
     async def models(self) -> dict:
         info = await self.info.remote()
-        return {"object": "list", "data": [
-            {"id": info["id"], "object": "model", "created": info["created"], "owned_by": "ddtree",
-             "max_model_len": info["context_length"]}
-        ]}
+        model = Model(id=info["id"], object="model", created=info["created"], owned_by="ddtree",
+                      max_model_len=info["context_length"])
+        return {"object": "list", "data": [model.model_dump(exclude_unset=True)]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(self, body: ChatCompletionRequest):
@@ -515,7 +556,7 @@ class OpenAIIngress:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(
-                self._sse(events, first, kind, ident, created, include_usage), media_type="text/event-stream"
+                self._stream_chunks(events, first, kind, ident, created, include_usage), media_type="text/event-stream"
             )
         text, end = [], None
         try:
@@ -530,54 +571,68 @@ class OpenAIIngress:
             return self._failure(err)
         if end is None:
             return error_response(500, "internal error: the engine ended the request unfinished")
-        content = "".join(text)
-        choice = (
-            {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None}
-            if kind == "chat"
-            else {"index": 0, "text": content, "logprobs": None}
-        )
-        choice["finish_reason"] = end["finish_reason"]
-        return {
-            "id": ident,
-            "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": created,
-            "model": self.model,
-            "choices": [choice],
-            "usage": end["usage"],
-            "seed": first["seed"],
-        }
+        return self._whole_response(kind, ident, created, "".join(text), end, first["seed"])
 
-    async def _sse(self, events, first, kind, ident, created, include_usage) -> AsyncIterator[str]:
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    def _whole_response(self, kind: str, ident: str, created: int, content: str, end: dict, seed) -> dict:
+        """The non-streamed response: OpenAI's ChatCompletion or Completion, plus ddtree's `seed`
+        (the seed of the draws, to send back for the same text) and `usage.speculation`."""
+        usage = CompletionUsage.model_validate(end["usage"])
+        if kind == "chat":
+            message = ChatCompletionMessage(role="assistant", content=content)
+            choice = chat_completion.Choice(index=0, message=message, logprobs=None, finish_reason=end["finish_reason"])
+            reply = ChatCompletion(id=ident, object="chat.completion", created=created, model=self.model,
+                                   choices=[choice], usage=usage, seed=seed)
+        else:
+            choice = CompletionChoice(index=0, text=content, logprobs=None, finish_reason=end["finish_reason"])
+            reply = Completion(id=ident, object="text_completion", created=created, model=self.model,
+                               choices=[choice], usage=usage, seed=seed)
+        return reply.model_dump(mode="json", exclude_unset=True)
 
-        def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> dict:
+    async def _stream_chunks(self, events, first, kind, ident, created, include_usage) -> AsyncIterator[str]:
+        """The engine's events as OpenAI's SSE stream: chunks (each with ddtree's `seed`), the usage
+        chunk when asked for, an error event if the engine fails, and always `[DONE]` last."""
+
+        def chunk(delta_text: str | None, finish: str | None, role: bool = False):
             if kind == "chat":
-                delta = {"role": "assistant", "content": ""} if role else ({"content": delta_text} if delta_text else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            else:
-                choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
-            return {"id": ident, "object": obj, "created": created, "model": self.model,
-                    "choices": [choice], "seed": first["seed"]}
+                delta = chat_completion_chunk.ChoiceDelta(role="assistant", content="") if role else (
+                    chat_completion_chunk.ChoiceDelta(content=delta_text) if delta_text
+                    else chat_completion_chunk.ChoiceDelta())
+                choice = chat_completion_chunk.Choice(index=0, delta=delta, logprobs=None, finish_reason=finish)
+                return ChatCompletionChunk(id=ident, object="chat.completion.chunk", created=created,
+                                           model=self.model, choices=[choice], seed=first["seed"])
+            # OpenAI streams a completion as Completion objects whose finish_reason is null until
+            # the last one; the generated type requires it, so these are built unvalidated, as the
+            # openai client builds them when it reads the stream.
+            choice = CompletionChoice.model_construct(index=0, text=delta_text or "", logprobs=None,
+                                                      finish_reason=finish)
+            return Completion.model_construct(id=ident, object="text_completion", created=created,
+                                              model=self.model, choices=[choice], seed=first["seed"])
+
+        def usage_chunk(usage: dict):
+            fields = dict(id=ident, created=created, model=self.model, choices=[],
+                          usage=CompletionUsage.model_validate(usage))
+            if kind == "chat":
+                return ChatCompletionChunk(object="chat.completion.chunk", **fields)
+            return Completion(object="text_completion", **fields)
 
         if kind == "chat":
-            yield _sse(chunk(None, None, role=True))
+            yield sse_event(chunk(None, None, role=True))
         ended = False
         try:
             async for event in events:
                 if event["type"] == "delta" and event["text"]:
-                    yield _sse(chunk(event["text"], None))
+                    yield sse_event(chunk(event["text"], None))
                 elif event["type"] == "end":
                     ended = True
-                    yield _sse(chunk(None, event["finish_reason"]))
+                    yield sse_event(chunk(None, event["finish_reason"]))
                     if include_usage:
-                        yield _sse({"id": ident, "object": obj, "created": created, "model": self.model,
-                                    "choices": [], "usage": event["usage"]})
+                        yield sse_event(usage_chunk(event["usage"]))
                 elif event["type"] == "error":
                     ended = True
-                    yield _sse(error_event(event["status"], event["message"]))
+                    yield error_event(event["status"], event["message"])
         except Exception as err:  # the engine replica died mid-stream: say so, never cut the stream
             ended = True
-            yield _sse(error_event(*engine_failure(err)))
+            yield error_event(*engine_failure(err))
         if not ended:
-            yield _sse(error_event(500, "internal error: the engine ended the request unfinished"))
+            yield error_event(500, "internal error: the engine ended the request unfinished")
         yield "data: [DONE]\n\n"

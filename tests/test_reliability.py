@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import statistics
 import threading
@@ -72,7 +73,7 @@ def good_request(base: str, headers: dict | None = None):
     """The server still serves: one short chat completion through the official client."""
     client = openai.OpenAI(base_url=base + "/v1", api_key=(headers or {}).get("Authorization", "Bearer x")[7:],
                            max_retries=0, timeout=60)
-    model = base.rsplit("/", 1)[-1] if base.endswith(("guarded", "fragile")) else MODEL
+    model = base.rsplit("/", 1)[-1] if base.endswith(("guarded", "fragile", "gated")) else MODEL
     reply = client.chat.completions.create(model=model, messages=CHAT, max_tokens=1, temperature=0)
     assert reply.usage.completion_tokens == 1
 
@@ -527,6 +528,59 @@ def test_a_non_stream_request_whose_replica_dies_is_a_503(apps):
     while httpx.get(base + "/health", timeout=30).status_code != 200:
         time.sleep(0.5)
     good_request(base)
+
+
+def test_health_says_loading_at_once_while_the_engine_starts(server, tiny_chat_model, tmp_path):
+    """/health used to say nothing quickly during a first start (minutes for a large model): each
+    probe waited HEALTH_TIMEOUT_S (5 s) for an engine replica, then read Serve's status, before
+    its 503. Now the ingress, which Serve starts without waiting for the engine's constructor,
+    answers 503 "loading" in OpenAI's error shape at once, and 200 once the engine runs. The
+    engine here is the real one, whose construction waits for a file: a large model's loading."""
+    from ray import serve
+
+    from ddtree.serve.config import ServeConfig
+    from ddtree.serve.engine_server import EngineServer
+    from ddtree.serve.openai_api import OpenAIIngress
+
+    class GatedEngineServer(EngineServer):
+        def __init__(self, config: dict, gate: str):
+            while not os.path.exists(gate):
+                time.sleep(0.1)
+            super().__init__(config)
+
+    gate = tmp_path / "loaded"
+    config = ServeConfig(model=str(tiny_chat_model), budget=0, block_size=4, engine_num_cpus=0,
+                         model_name="gated").model_dump()
+    engine = serve.deployment(GatedEngineServer).options(name="DDTreeEngine").bind(config, str(gate))
+    app = OpenAIIngress.options(ray_actor_options={"num_cpus": 0}).bind(config, engine)
+    # serve.run returns once the engine runs: meanwhile it waits in a thread
+    deploy = threading.Thread(target=serve.run, args=(app,), kwargs={"name": "gated", "route_prefix": "/gated"})
+    deploy.start()
+    base = server["base"] + "/gated"
+    try:
+        answers = []
+        while len(answers) < 4:
+            started = time.perf_counter()
+            r = httpx.get(base + "/health", timeout=60)
+            if r.status_code == 404:  # the route is not there yet
+                time.sleep(0.2)
+                continue
+            answers.append((r, time.perf_counter() - started))
+        for i, (r, seconds) in enumerate(answers):
+            assert r.status_code == 503 and r.headers["retry-after"], r.text
+            body = r.json()
+            assert body["status"] == "loading" and body["error"]["code"] == "engine_loading", body
+            assert body["error"]["type"] == "internal_error" and "loading" in body["error"]["message"]
+            # the first may wait for the ingress replica itself to start
+            assert i == 0 or seconds < 4, f"/health took {seconds:.1f} s to say loading"
+        gate.touch()
+        deploy.join(300)
+        assert httpx.get(base + "/health", timeout=30).status_code == 200
+        good_request(base)
+    finally:
+        gate.touch()
+        deploy.join(300)
+        serve.delete("gated")
 
 
 def test_drain_finishes_in_flight_requests_and_refuses_new_ones(apps):
