@@ -45,9 +45,9 @@ prometheus:
 test: install prometheus
 	$(BIN)/python -m pytest -q --durations=10
 
-# The quick tier: no SmolLM2, no Ray cluster or Serve app, no statistical checks.
+# The quick tier: no SmolLM2, no Ray cluster (marker `ray`) or Serve app, no statistical checks.
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not smollm2 and not slow"
+	$(BIN)/python -m pytest -q -m "not smollm2 and not slow and not ray"
 
 # On a CUDA machine: kernel parity compiled, kernel timings, CUDA-graph verify, GPU verify-cost
 # curve, SmolLM2 end to end (benchmarks/gpu_check.py says what each part measures).

@@ -18,6 +18,32 @@ from ddtree.workers.loading import load_target_weights
 
 from .helpers import CONTEXT, MODEL, copy_tokenizer, free_port, make_hf_model
 
+# --- tiers: `ray` tests start a Ray cluster, and only they may -------------------------------
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """A test that uses the session's Ray cluster (`ray_cluster`, or `server` on top of it) is a
+    `ray` test and a `slow` one. Tests that start Ray another way (a subprocess) carry the
+    marks themselves."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.ray)
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _ray_init_only_in_ray_tests(request, monkeypatch):
+    """In a test without the `ray` mark, ray.init is an error, so an unmarked test cannot start a
+    cluster in the fast tier unnoticed."""
+    if request.node.get_closest_marker("ray") is None:
+        import ray
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError(f"{request.node.nodeid} starts Ray: use the ray_cluster fixture or mark it @pytest.mark.ray")
+
+        monkeypatch.setattr(ray, "init", refuse)
+
 
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):

@@ -611,6 +611,7 @@ def test_drain_finishes_in_flight_requests_and_refuses_new_ones(apps):
 # --- `ddtree serve` itself ---------------------------------------------------------------------
 
 
+@pytest.mark.ray  # its own, in the `ddtree serve` subprocess
 def test_ddtree_serve_keys_metrics_binding_and_sigterm_drain(tiny_chat_model, tmp_path):
     """`ddtree serve` as an operator runs it, on its own Ray: a key from DDTREE_API_KEY; Ray's
     metrics endpoint on 127.0.0.1 like the API (it used to listen on every interface); SIGTERM
