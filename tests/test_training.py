@@ -103,7 +103,7 @@ def test_export_loads_drafts_and_evaluates(trained, tmp_path):
     drafter = DFlashDrafter.load(out, target.model)
     assert config["dflash_config"]["draft_vocab_size"] == len(drafter.draft_vocab) < config["vocab_size"]
     report = eval_drafter(target, drafter, ["What is 2 plus 5?", "Hello"], 12, ["chain", 4])
-    assert set(report["tau"]) == {"chain", "4"} and all(t >= 1.0 for t in report["tau"].values())
+    assert set(report["tau"]) == {"chain", "4"}  # its values: test_offline_tau_equals_the_engines
     assert len(report["accuracy"]) == 3
 
 
