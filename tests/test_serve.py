@@ -187,7 +187,9 @@ def test_metrics_reach_prometheus_endpoint(server, client):
 
 
 def test_serve_config_file_builds_the_app():
-    """cluster/serve-config.yaml: its args are a valid ServeConfig and the builder accepts them."""
+    """cluster/serve-config.yaml: its args are a valid ServeConfig, and the app the builder makes
+    of them is the ingress in front of an engine deployment that holds the YAML's batch plus its
+    queue and scales as the YAML says."""
     from pathlib import Path
 
     from ray.serve.schema import ServeDeploySchema
@@ -197,7 +199,13 @@ def test_serve_config_file_builds_the_app():
     app = schema.applications[0]
     assert app.import_path == "ddtree.serve.app:build_app"
     ServeConfig.model_validate(app.args)
-    assert build_app(app.args) is not None
+    ingress = build_app(app.args)._bound_deployment  # a Serve Application keeps its deployment there
+    engine = ingress.init_args[1]._bound_deployment
+    assert (ingress.name, engine.name) == ("OpenAIIngress", "DDTreeEngine")
+    assert engine.init_args[0]["block_size"] == app.args["block_size"]
+    assert engine.max_ongoing_requests == app.args["max_num_seqs"] + app.args["max_waiting"]
+    scaling = engine._deployment_config.autoscaling_config
+    assert scaling.model_dump(include=set(app.args["autoscaling"])) == app.args["autoscaling"]
 
 
 def test_a_tp2_app_serves_what_the_in_process_engine_decodes(server, tiny_chat_model):
