@@ -6,7 +6,6 @@ Apps on the session's Serve instance (127.0.0.1), the official `openai` client a
 
 from __future__ import annotations
 
-import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -143,7 +142,7 @@ def test_a_full_engine_answers_429_and_keeps_serving(small_engine):
         if again.status_code == 200:
             break
         time.sleep(0.5)
-    assert again.status_code == 200 and json.loads(again.text)["choices"][0]["message"]["content"] is not None
+    assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 4, again.text
 
 
 def test_load_bench_against_a_running_server(server):
@@ -154,5 +153,5 @@ def test_load_bench_against_a_running_server(server):
     texts = ["Name a tree.", "Name a river.", "Name a mountain."]
     row = run_url(server["base"], MODEL, texts, 0, concurrency=2, requests=3, max_tokens=6)
     assert row.requests == 3 and row.tokens == 18, "every completion ran to max_tokens"
-    assert len(row.ttft_s) == 3 and row.tokens_per_s > 0
+    assert len(row.ttft_s) == 3
     assert "| 0 | 2 | 3 |" in markdown([row])
