@@ -44,7 +44,7 @@ def test_health_and_models(server, client):
 
 def test_greedy_chat_equals_the_in_process_engine(client, in_process):
     reply = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
-    expected = in_process.coordinator.generate(
+    expected = in_process.generate(
         [in_process.request(in_process.render_chat(CHAT), 24, SamplingParams())]
     )[0]
     assert reply.choices[0].message.content == expected.text
@@ -214,7 +214,7 @@ def test_a_tp2_app_serves_what_the_in_process_engine_decodes(server, tiny_chat_m
     in-process engine's exactly."""
     sharded = openai.OpenAI(base_url=server["base"] + "/sharded/v1", api_key="unused", max_retries=0, timeout=120)
     engine = Engine.from_config(ModelPairConfig(model=str(tiny_chat_model), budget=16, block_size=4, dtype="float64"))
-    expected = engine.coordinator.generate([engine.request(engine.render_chat(CHAT), 16, SamplingParams())])[0]
+    expected = engine.generate([engine.request(engine.render_chat(CHAT), 16, SamplingParams())])[0]
     chunks = sharded.chat.completions.create(model="sharded", messages=CHAT, max_tokens=16, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
 
