@@ -109,3 +109,34 @@ def test_gguf_is_cached_as_safetensors(smollm2):
     config = json.loads((directory / "config.json").read_text())
     assert config["model_type"] == "llama" and "quantization_config" not in config
     assert smollm2.tokenizer.chat_template, "chat template comes from the same GGUF"
+
+
+def test_fused_projections_follow_the_weights_they_were_made_of(tmp_path):
+    """q/k/v and gate/up run as one GEMM each over a fused weight whose rows the layers' own
+    weights are views of. Regression guard for the stale-copy failure: after the weights are
+    replaced (a load with assign=True, a .to() that copies them) the fused weight must follow,
+    so the model computes with its current weights, not the ones it first fused."""
+    hf = make_hf_model("llama", 64).to(torch.float32)
+    hf.save_pretrained(tmp_path)
+    ours = load_target_weights(tmp_path, torch.float32)
+    ids = torch.tensor([[3, 14, 15, 9, 2, 6]])
+    first = our_logits(ours, ids).logits  # fuses
+    attn = ours.model.layers[0].self_attn
+    fused = attn.qkv.weight
+    assert attn.q_proj.weight.data_ptr() == fused.data_ptr()  # a view, not a second copy
+    assert torch.equal(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), fused)
+
+    # new weights through the layers (assign=True replaces the tensors): the output follows them
+    state = {k: v * 1.5 if k.endswith(("q_proj.weight", "up_proj.weight")) else v for k, v in ours.state_dict().items()}
+    ours.load_state_dict(state, assign=True)
+    fresh = load_target_weights(tmp_path, torch.float32)
+    fresh.load_state_dict(state)
+    assert torch.equal(our_logits(ours, ids).logits, our_logits(fresh, ids).logits)
+    assert not torch.equal(our_logits(ours, ids).logits, first)
+
+    # a dtype change copies every weight: the float64 model is the float64 checkpoint's
+    as64 = load_target_weights(tmp_path, torch.float64)
+    as64.load_state_dict(state)
+    ours.to(torch.float64)
+    assert torch.equal(our_logits(ours, ids).logits, our_logits(as64, ids).logits)
+    assert sorted(ours.state_dict()) == sorted(fresh.state_dict())  # the checkpoint's names, unchanged

@@ -236,19 +236,66 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
 
 
+class FusedLinears:
+    """Linear layers that read the same input, computed by one GEMM: their weights (and biases)
+    are stored as one matrix, each layer's own weight a view of its rows, so nothing is held
+    twice and checkpoints load through the layers as they are. Fused at the first call, and
+    again whenever a layer's weight was replaced (a load with assign=True, a .to() that copied).
+
+    Example: q_proj [576, 576], k_proj [192, 576], v_proj [192, 576] -> one [960, 576] weight;
+    calling it on x [B, Q, 576] gives the three outputs [B, Q, 576], [B, Q, 192], [B, Q, 192]."""
+
+    def __init__(self, *layers: nn.Linear):
+        self.layers = layers
+        self.sizes = [layer.out_features for layer in layers]
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if not self._fused():
+            self._fuse()
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+    def _fused(self) -> bool:
+        """Whether every layer's weight is still the view of `weight` it was made."""
+        if self.weight is None:
+            return False
+        row = self.weight.stride(0) * self.weight.element_size()
+        at = self.weight.data_ptr()
+        for layer, size in zip(self.layers, self.sizes):
+            if layer.weight.data_ptr() != at or layer.weight.dtype != self.weight.dtype:
+                return False
+            at += size * row
+        return True
+
+    def _fuse(self) -> None:
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors, as the layers' own were
+            self.weight = torch.cat([layer.weight for layer in self.layers])
+            for layer, part in zip(self.layers, self.weight.split(self.sizes)):
+                layer.weight.data = part
+            self.bias = None
+            if self.layers[0].bias is not None:
+                self.bias = torch.cat([layer.bias for layer in self.layers])
+                for layer, part in zip(self.layers, self.bias.split(self.sizes)):
+                    layer.bias.data = part
+
+
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 def attend(q, k, v, mask):
-    """q [B, Hq, Q, D]; k, v [B, Hkv, K, D]; mask [B, 1, Q, K] bool (True = visible).
+    """q [B, Hq, Q, D]; k, v [B, Hkv, K, D]; mask [B, 1, Q, K] bool (True = visible), or the
+    same as an additive 0 / -inf mask in q's dtype.
     Grouped-query attention without copying k, v per query head."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -350,7 +397,15 @@ def block_attention(block_mask, lengths: torch.Tensor, span: int, kernel: bool):
         return lambda q, keys, values: tree_attention(q, keys, values, lengths, block_mask.bits)
     dense = block_mask.dense() if isinstance(block_mask, TreeBits) else block_mask
     mask = slot_mask(lengths, dense.to(lengths.device), span)[:, None]
-    return lambda q, keys, values: attend(q, keys, values, mask)
+    bias = {}  # the mask as 0 / -inf in the queries' dtype, made at the first layer (SDPA would
+    # otherwise convert the bool mask at every layer)
+
+    def attention(q, keys, values):
+        if q.dtype not in bias:
+            bias[q.dtype] = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        return attend(q, keys, values, bias[q.dtype])
+
+    return attention
 
 
 class Attention(nn.Module):
@@ -366,19 +421,22 @@ class Attention(nn.Module):
         if self.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, cos, sin, layer: int, view):
         """x [B, Q, H]. `view` (the cache bound to this forward: DenseView or a paged pool's
         view) writes the block's keys and values into its cache and attends over what each
         query may see."""
         b, q_len, _ = x.shape
-        q = self.q_proj(x).view(b, q_len, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b, q_len, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, q_len, self.kv_heads, self.head_dim)
+        q, k, v = self.qkv(x)
+        q = q.view(b, q_len, self.heads, self.head_dim)
+        k = k.view(b, q_len, self.kv_heads, self.head_dim)
+        v = v.view(b, q_len, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(1, 2), cos, sin)
-        k = apply_rope(k.transpose(1, 2), cos, sin)
+        # queries and keys rotate together: one set of ops for both
+        qk = apply_rope(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin)
+        q, k = qk.split([self.heads, self.kv_heads], dim=1)
         out = view.attend(layer, q, k, v.transpose(1, 2))
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
@@ -476,16 +534,18 @@ class TargetModel(nn.Module):
         """.to() / .cuda() also move the float64 rotary frequencies (a plain attribute, so that
         dtype casts leave them float64)."""
         out = super()._apply(fn, recurse)
-        self.rope = self.rope.to(self.lm_head.weight.device)
+        self.rope = self.rope.to(self.device)
         return out
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The activations' dtype: the final norm's (the LM head may hold quantized blocks, see
+        workers.quantized)."""
+        return self.model.norm.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.norm.weight.device
 
     def new_cache(self, batch: int, slots: int) -> KVCache:
         return KVCache.allocate(self.config, batch, slots, self.dtype, self.device)
