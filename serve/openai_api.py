@@ -244,9 +244,10 @@ def error_event(status: int, message: str, code: str | None = None) -> str:
 
 def sse_event(payload: BaseModel | dict) -> str:
     """One server-sent event carrying `payload` as JSON. An openai type is written with only
-    the fields set on it (OpenAI's wire shape: no null service_tier, system_fingerprint, ...)."""
+    the fields set on it (OpenAI's wire shape: no null service_tier, system_fingerprint, ...),
+    by json.dumps like a dict, so every event is formatted alike."""
     if isinstance(payload, BaseModel):
-        return f"data: {payload.model_dump_json(exclude_unset=True)}\n\n"
+        payload = payload.model_dump(mode="json", exclude_unset=True)
     return f"data: {json.dumps(payload)}\n\n"
 
 
