@@ -44,7 +44,8 @@ def choose_budget(tokens_per_s: dict) -> int | str:
 def machine_key(engine, drafter_id: str) -> str:
     cpu = platform.processor() or platform.machine()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu:{cpu}:{torch.get_num_threads()}t"
-    raw = json.dumps([str(engine.target.directory), drafter_id, engine.config.dtype, engine.config.tp, device, torch.__version__])
+    raw = json.dumps([str(engine.target.directory), drafter_id, engine.config.dtype, engine.config.weights,
+                      engine.config.tp, device, torch.__version__])
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 

@@ -14,10 +14,10 @@ from .config import GenerateConfig, ModelPairConfig, SamplingParams
 from .flags import add_field_flags, field_values
 
 # The flags that set config fields: each takes its type, default and help from the field.
-GENERATE_FIELDS = ("model", "drafter", "budget", "max_tokens", "stop", "dtype", "tp")
+GENERATE_FIELDS = ("model", "drafter", "budget", "max_tokens", "stop", "dtype", "weights", "tp")
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")
 SERVE_FIELDS = ("model", "drafter", "budget")  # on top of --config's
-BENCH_FIELDS = ("model", "drafter", "dtype")
+BENCH_FIELDS = ("model", "drafter", "dtype", "weights")
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -73,6 +73,13 @@ class ModelPairConfig(BaseModel):
     )
     block_size: int = Field(8, ge=2, description="Block size of the untrained default drafter.")
     dtype: Literal["float32", "float64", "bfloat16"] = Field("float32", description="Weights dtype.")
+    weights: Literal["float", "native"] = Field(
+        "float", description="How a .gguf target's weights are held: 'float' = de-quantized once to `dtype` "
+        "(cached as safetensors); 'native' = its Q4_0 / Q4_1 / Q8_0 matrices stay as stored and a C++ kernel "
+        "(built once with the machine's g++) multiplies with them directly: fewer bytes read per token, the "
+        "de-quantized model's outputs up to float summation order. 'native' needs a .gguf target (or the "
+        "default one), dtype float32, CPU and tp 1."
+    )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the models run: 'auto' = CUDA when a GPU is visible, else CPU."
     )
@@ -119,6 +126,18 @@ class ModelPairConfig(BaseModel):
     @classmethod
     def _budget(cls, v):
         return v if v == "auto" else parse_budget(v)
+
+    @model_validator(mode="after")
+    def _native_weights_fit(self):
+        if self.weights != "native":
+            return self
+        if self.model is not None and not self.model.endswith(".gguf"):
+            raise ValueError(f"weights='native' keeps a GGUF file's quantized matrices; model {self.model!r} is not "
+                             "a .gguf file: use weights='float'")
+        if self.dtype != "float32" or self.device == "cuda" or self.tp != 1:
+            raise ValueError("weights='native' runs in float32 on CPU in one process: set dtype 'float32', device "
+                             "'cpu' (or 'auto' without a GPU) and tp 1, or use weights='float'")
+        return self
 
     @model_validator(mode="after")
     def _placement_fits_tp(self):

@@ -125,7 +125,9 @@ class Engine:
             instance = RayInstance(spec, fixed, config.placement, limits)
             engine = cls(config, target, instance.scheduler, instance.block_size, instance)
         else:
-            target = load_target(config.model, dtype)
+            if config.weights == "native" and device(config).type != "cpu":
+                raise ValueError("weights='native' runs on CPU: set device 'cpu', or weights 'float' for the GPU")
+            target = load_target(config.model, dtype, config.weights)
             target.model.to(device(config))
             drafter = (
                 DFlashDrafter.load(drafter_path, target.model)

