@@ -1,33 +1,65 @@
-"""The target's verify-cost curve T(q)/T(1) after a 300-token cache (median of repeats).
+"""The target's verify-cost curve T(q)/T(1): one forward of q tree rows after a 300-token cache,
+median over rounds, for each linear backend (oneDNN, torch's F.linear) interleaved round by
+round in one process, so that a busy machine slows both alike.
 
-    python benchmarks/verify_cost.py [--model PATH] [--sizes 1,9,17,33,65] [--repeats 9]
+    python benchmarks/verify_cost.py [--model PATH] [--sizes 1,5,9,17,33] [--rounds 9]
+                                     [--linear onednn,torch] [--weights float|native]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 
 import torch
 
-from ddtree.bench import verify_costs
-from ddtree.config import ModelPairConfig
-from ddtree.engine import Engine
+from ddtree.workers import model as target_model
+from ddtree.workers.loading import load_target
+
+CONTEXT = 300
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model")
-    parser.add_argument("--sizes", default="1,9,17,33,65")
-    parser.add_argument("--repeats", type=int, default=9)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--sizes", default="1,5,9,17,33")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--linear", default="onednn,torch", help="linear backends to compare (workers.model.linear)")
+    parser.add_argument("--weights", default="float", choices=["float", "native"])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
-    engine = Engine.from_config(ModelPairConfig(model=args.model, budget=0, dtype=args.dtype))
+    torch.set_num_threads(args.threads)
     sizes = [int(q) for q in args.sizes.split(",")]
-    costs = verify_costs(engine, sizes, repeats=args.repeats)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}")
-    print("| q | T(q) ms | T(q)/T(1) |\n| --- | --- | --- |")
+    backends = args.linear.split(",")
+    model = load_target(args.model, torch.float32, weights=args.weights).model
+    cache = model.new_cache(1, CONTEXT + max(sizes) + 1)
+    ids = torch.randint(0, model.config.vocab_size, (1, CONTEXT), generator=torch.Generator().manual_seed(0))
+    model(ids, torch.arange(CONTEXT)[None], model.prefill_mask(CONTEXT), cache)
+    cache.lengths += CONTEXT
+
+    times = {(b, q): [] for b in backends for q in sizes}
+    for r in range(args.rounds):
+        for backend in backends[r % len(backends):] + backends[: r % len(backends)]:  # rotate the order
+            target_model.LINEAR_BACKEND = backend
+            for q in sizes:
+                tokens = torch.randint(0, model.config.vocab_size, (1, q), generator=torch.Generator().manual_seed(q))
+                positions, mask = CONTEXT + torch.arange(q)[None], torch.ones(1, q, q, dtype=torch.bool).tril()
+                model(tokens, positions, mask, cache)  # warm: shapes and buffers
+                start = time.perf_counter()
+                model(tokens, positions, mask, cache)
+                times[backend, q].append(time.perf_counter() - start)
+
+    print(f"torch {torch.__version__}, {args.threads} threads, weights {args.weights}, {args.rounds} rounds, "
+          f"cache {CONTEXT} tokens; median ms and T(q)/T(1)")
+    print("| q | " + " | ".join(f"{b} T(q) ms | {b} T(q)/T(1)" for b in backends) + " |")
+    print("|---|" + "---|---|" * len(backends))
     for q in sizes:
-        print(f"| {q} | {costs[q] * 1000:.1f} | {costs[q] / costs[1]:.2f} |")
+        cells = []
+        for b in backends:
+            t, t1 = statistics.median(times[b, q]), statistics.median(times[b, sizes[0]])
+            cells += [f"{t * 1000:.1f}", f"{t / t1:.2f}"]
+        print(f"| {q} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -236,6 +236,25 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, through oneDNN for float32 on the CPU: measured on this 2-core AVX2 machine, a
+    whole SmolLM2 forward is 0.73x F.linear's time at 1 row and 0.72-0.81x at 9-17 (F.linear
+    goes to MKL, whose small-row GEMMs are slow here; benchmarks/verify_cost.py --linear)."""
+    if LINEAR_BACKEND == "onednn" and x.dtype == torch.float32 and x.device.type == "cpu" and weight.dtype == torch.float32:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+LINEAR_BACKEND = "onednn" if torch.backends.mkldnn.is_available() else "torch"  # "torch": F.linear everywhere
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same checkpoint names) computing through `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class FusedLinears:
     """Linear layers that read the same input, computed by one GEMM: their weights (and biases)
     are stored as one matrix, each layer's own weight a view of its rows, so nothing is held
@@ -254,7 +273,7 @@ class FusedLinears:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if not self._fused():
             self._fuse()
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
     def _fused(self) -> bool:
         """Whether every layer's weight is still the view of `weight` it was made."""
@@ -283,9 +302,9 @@ class FusedLinears:
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
         self.gate_up = FusedLinears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -413,10 +432,10 @@ class Attention(nn.Module):
         super().__init__()
         c = config
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
+        self.q_proj = Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=c.attention_bias)
+        self.k_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=c.attention_bias)
+        self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=c.attention_bias)
         self.qk_norm = c.family == "qwen3"  # Qwen3 normalizes each head's queries and keys
         if self.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
@@ -525,7 +544,7 @@ class TargetModel(nn.Module):
         self.config = config
         self.parallel = parallel or SingleProcess()
         self.model = _Backbone(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
