@@ -58,7 +58,8 @@ class Row:
     tokens_per_s: float = 0.0
     speedup_vs_ar: float = 0.0
     speedup_vs_hf: float = 0.0
-    verify_cost_ratio: float | None = None  # T(budget + 1) / T(1) of the target
+    verify_rows: int | None = None  # Q: the rows of this setting's verify pass (its tree, bucketed)
+    verify_cost_ratio: float | None = None  # T(Q) / T(1) of the target
     outputs: list = field(default_factory=list)  # [prompts] the token ids each prompt generated
 
     @property
@@ -169,7 +170,8 @@ def run_bench(
         row.tokens_per_s = row.tokens / row.seconds if row.seconds else 0.0
         if row.mode == "ddtree":
             row.tau = row.round_tokens / row.rounds if row.rounds else 0.0
-            row.verify_cost_ratio = costs[engine.verify_len(row.budget)] / costs[1] if row.budget != 0 else 1.0
+            row.verify_rows = engine.verify_len(row.budget)
+            row.verify_cost_ratio = costs[row.verify_rows] / costs[1]
     ar = next(r for r in out if r.mode == "ddtree" and r.budget == 0).tokens_per_s if 0 in budgets else None
     hf_rate = next((r.tokens_per_s for r in out if r.mode == "hf-generate"), None)
     for row in out:
@@ -180,16 +182,17 @@ def run_bench(
 
 def markdown(rows: list[Row]) -> str:
     lines = [
-        "| setting | tau | tokens/s | vs budget 0 | vs HF generate | T(B+1)/T(1) | draft / tree / verify / commit / other (% of time) |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| setting | tau | tokens/s | vs budget 0 | vs HF generate | Q | T(Q)/T(1) | draft / tree / verify / commit / other (% of time) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         total = sum(r.phase_s.values())
         split = " / ".join(f"{100 * r.phase_s[p] / total:.0f}" for p in PHASES) if r.mode == "ddtree" and total else "-"
         tau = f"{r.tau:.2f}" if r.tau is not None else "-"
         cost = f"{r.verify_cost_ratio:.2f}" if r.verify_cost_ratio is not None else "-"
+        rows_q = r.verify_rows if r.verify_rows is not None else "-"
         lines.append(
-            f"| {r.label} | {tau} | {r.tokens_per_s:.2f} | {r.speedup_vs_ar:.2f}x | {r.speedup_vs_hf:.2f}x | {cost} | {split} |"
+            f"| {r.label} | {tau} | {r.tokens_per_s:.2f} | {r.speedup_vs_ar:.2f}x | {r.speedup_vs_hf:.2f}x | {rows_q} | {cost} | {split} |"
         )
     return "\n".join(lines)
 

@@ -20,6 +20,12 @@ SERVE_FIELDS = ("model", "drafter", "budget")  # on top of --config's
 BENCH_FIELDS = ("model", "drafter", "dtype", "weights")
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def _generate(args: argparse.Namespace) -> int:
     try:
         config = GenerateConfig(
@@ -179,7 +185,8 @@ def _bench(args: argparse.Namespace) -> int:
     with tqdm(total=len(prompts), desc="prompts", unit="prompt") as bar:
         rows = run_bench(engine, prompts, budgets, args.max_tokens, peers=not args.no_peers,
                          progress=lambda done, total: bar.update(1))
-    print(f"{len(prompts)} prompts from {args.prompts}, {args.max_tokens} new tokens, greedy, {config.dtype}")
+    print(f"{len(prompts)} prompts from {args.prompts}, {args.max_tokens} new tokens, greedy, {config.dtype}, "
+          f"weights {config.weights}, {torch_threads()} threads")
     print(markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
