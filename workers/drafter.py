@@ -44,7 +44,6 @@ from .loading import read_safetensors_dir
 from .model import (
     MLP, KVCache, RMSNorm, TargetModel, apply_rope, attend, read_rope, require_full_attention, rope_cos_sin, rope_inv_freq,
 )
-from .quantized import QuantizedLinear
 
 
 class Proposer(Protocol):
@@ -419,24 +418,18 @@ class DFlashDrafter(nn.Module):
         return index[tokens]
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits over the draft vocabulary (the whole one by default) for hidden states h. The
-        target's LM head is an nn.Linear, or a QuantizedLinear (a GGUF target loaded with
-        weights="native"), whose draft-vocabulary rows stay quantized."""
+        """Logits over the draft vocabulary (the whole one by default) for hidden states h: the
+        target's LM head, or its draft-vocabulary rows (`select_rows`, made again whenever the
+        head's tensors change; a quantized head's rows stay quantized)."""
         target = self._target[0]
         head, h = target.lm_head, h.to(target.dtype)
         if self.draft_vocab is None:
             return head(h)
-        if isinstance(head, QuantizedLinear):
-            weight = head.blocks
-            key = (weight.data_ptr(), weight.device, self.draft_vocab.data_ptr())
-            if self._head is None or self._head[0] != key:
-                self._head = (key, head.select_rows(self.draft_vocab.to(weight.device)))
-            return self._head[1](h)
-        weight = head.weight
-        key = (weight.data_ptr(), weight.dtype, weight.device, weight._version, self.draft_vocab.data_ptr())
+        tensors = [*head.parameters(), *head.buffers()]
+        key = tuple((t.data_ptr(), t.dtype, t.device, t._version) for t in tensors) + (self.draft_vocab.data_ptr(),)
         if self._head is None or self._head[0] != key:
-            self._head = (key, weight.detach()[self.draft_vocab.to(weight.device)])
-        return nn.functional.linear(h, self._head[1])
+            self._head = (key, head.select_rows(self.draft_vocab.to(tensors[0].device)))
+        return self._head[1](h)
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)  # see TargetModel._apply

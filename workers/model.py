@@ -254,6 +254,15 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
+    def select_rows(self, rows: torch.Tensor) -> "Linear":
+        """A copy holding output rows `rows` only (a draft vocabulary's slice of an LM head)."""
+        weight = self.weight.detach()
+        out = Linear(self.in_features, len(rows), bias=self.bias is not None, device="meta")
+        out.weight = nn.Parameter(weight[rows.to(weight.device)], requires_grad=False)
+        if self.bias is not None:
+            out.bias = nn.Parameter(self.bias.detach()[rows.to(weight.device)], requires_grad=False)
+        return out
+
 
 class FusedLinears:
     """Linear layers that read the same input, computed by one GEMM: their weights (and biases)
