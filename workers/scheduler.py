@@ -340,12 +340,14 @@ class Scheduler:
         #    moves of the accepted paths
         walk = walk_batch(batch, out.choices.to(dev))
         paths, lengths, bonus = walk.path.cpu(), walk.length.tolist(), walk.bonus.tolist()
-        src, dst = [], []
-        for b, seq in enumerate(rows):
-            path = paths[b, : lengths[b]]
-            src.append(self.pool.slots([seq.pages], (seq.length + path)[None])[0])
-            dst.append(self.pool.slots([seq.pages], (seq.length + torch.arange(len(path)))[None])[0])
-        src_slots, dst_slots = torch.cat(src), torch.cat(dst)
+        # every accepted path's KV rows to the positions after its committed prefix, in one
+        # lookup: [B, longest path], the tail past each row's path masked out
+        starts = torch.tensor([s.length for s in rows])[:, None]
+        width = max(lengths)
+        kept = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+        tables = [s.pages for s in rows]
+        src_slots = self.pool.slots(tables, starts + torch.where(kept, paths[:, :width], 0))[kept]
+        dst_slots = self.pool.slots(tables, starts + torch.arange(width)[None, :].where(kept, 0))[kept]
         moved = src_slots != dst_slots
         self.target.move(src_slots[moved], dst_slots[moved])
         t4 = time.perf_counter()
