@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from ..config import ModelPairConfig
+from ..config import ModelPairConfig, parse_budget
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -90,8 +90,11 @@ class ServeConfig(ModelPairConfig):
 
     @model_validator(mode="after")
     def _budget_within_cap(self):
-        if isinstance(self.budget, int) and self.budget > self.max_budget:
-            raise ValueError(f"budget ({self.budget}) exceeds max_budget ({self.max_budget}); raise max_budget or lower budget")
+        if self.budget != "auto":
+            try:
+                parse_budget(self.budget, self.max_budget)
+            except ValueError as err:
+                raise ValueError(f"budget: {err}; raise max_budget or lower budget") from None
         return self
 
     @property

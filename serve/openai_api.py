@@ -34,6 +34,7 @@ from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableE
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..config import parse_budget
 from .config import ServeConfig
 
 logger = logging.getLogger("ray.serve")
@@ -524,11 +525,11 @@ class OpenAIIngress:
                     400, f"{field}: {value} exceeds this server's limit of {config.max_output_tokens}", field
                 )
         budget = body.speculation.budget if body.speculation else None
-        if isinstance(budget, int) and budget > config.max_budget:
-            return error_response(
-                400, f"speculation.budget: {budget} exceeds this server's max_budget of {config.max_budget}",
-                "speculation.budget",
-            )
+        if budget is not None:
+            try:
+                parse_budget(budget, config.max_budget)  # the engine checks it again by the same rule
+            except ValueError as err:
+                return error_response(400, f"speculation.budget: {err}", "speculation.budget")
         return None
 
     def _engine_error(self, event: dict) -> JSONResponse:
