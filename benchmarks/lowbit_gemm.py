@@ -21,8 +21,9 @@ Routes:
                block), timed only as the bound of an int8 route; its difference is not reported
   chunked      Q8_0 de-quantized 4096 rows at a time into a reused fp32 buffer, then F.linear
   kernel       ddtree's C++ kernel (workers/lowbit_kernel.cpp, torch.ops.ddtree_lowbit.mm) over the
-               GGUF blocks as stored: each block decoded exactly in registers, multiplied into
-               every row (built once on first use, cached under $DDTREE_CACHE/kernels)
+               GGUF blocks as stored: tiles of 12 rows x <= 256 inputs decoded exactly into an
+               L1 buffer once per 64 activation rows and multiplied into all of them (one row:
+               decoded in registers); built once on first use, cached under $DDTREE_CACHE/kernels
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/lowbit_gemm.py [--rows 1,9,17] [--rounds 15] [--threads 1]
         [--routes kernel,int4pack,...]   (default: all; the torch int4/int8 routes are slow to time)

@@ -31,17 +31,50 @@ def kernel():
     load_kernel(cache_root() / "kernels")
 
 
+# Shapes that break the kernel's tiling (workers/lowbit_kernel.cpp): 12 output columns per tile,
+# inputs decoded in chunks of at most 256 of even size, activation rows in register tiles of
+# 4 (then 3, 2, 1) and panels of 64; one row takes its own path.
+TILE_ROWS = [1, 2, 3, 4, 5, 7, 9, 17, 33, 64, 65, 130, 300]
+TILE_SHAPES = [(1, 32), (11, 96), (13, 256), (25, 288), (130, 576), (12, 800)]
+
+
 @pytest.mark.parametrize("kind", QUANT_TYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 17, 257])  # the kernel tiles rows by 4; 257 takes the dense path
-@pytest.mark.parametrize("n,k", [(1, 32), (65, 96), (130, 576)])
+@pytest.mark.parametrize("rows", TILE_ROWS)
+@pytest.mark.parametrize("n,k", TILE_SHAPES)
 def test_kernel_equals_dequantized_linear(kind, rows, n, k):
     gen = torch.Generator().manual_seed(n * 1000 + k + rows)
     weights = quantize_for_test(torch.randn(n, k, generator=gen) * 0.1, kind)
     layer = QuantizedLinear.from_weights(weights)
-    x = torch.randn(3, rows, k, generator=gen)
-    want = F.linear(x, weights.dequantize())
+    x = torch.randn(rows, k, generator=gen)
+    want = F.linear(x.double(), weights.dequantize().double())
     assert torch.equal(layer.dequantize(), weights.dequantize())
-    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    # float32 sums of k products in another order: within a few ulps of the sum of |products|
+    bound = 1e-6 * k ** 0.5 * F.linear(x.abs().double(), weights.dequantize().abs().double()) + 1e-30
+    assert ((layer(x).double() - want).abs() <= bound).all()
+    torch.testing.assert_close(layer(x[None]), want.float()[None], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", QUANT_TYPES)
+@pytest.mark.parametrize("n,k", [(25, 288), (130, 576)])
+def test_kernel_rows_do_not_depend_on_their_batch(kind, n, k):
+    """Batch invariance: row r of an M-row call is bitwise the 1-row call on that row, for every M
+    (register tiles of 4, 3, 2, 1 rows, panels of 64, the one-row path) and with 1 or 2 threads.
+    A tree's rows are verified together; if a row's logits depended on how many rows came with it,
+    a tie could go another way than in plain decoding and the output would not be lossless."""
+    gen = torch.Generator().manual_seed(k)
+    layer = QuantizedLinear.from_weights(quantize_for_test(torch.randn(n, k, generator=gen) * 0.1, kind))
+    x = torch.randn(max(TILE_ROWS), k, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for rows in TILE_ROWS:
+                assert torch.equal(layer(x[:rows]), alone[:rows]), (rows, t)
+            assert torch.equal(layer(x[3:12]), alone[3:12]), t  # rows in other tile positions
+    finally:
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("kind", QUANT_TYPES)

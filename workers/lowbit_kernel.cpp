@@ -1,14 +1,20 @@
 // y = x W^T with W kept as GGUF blocks (Q4_0, Q4_1, Q8_0), fp32 activations and outputs.
 //
-// Each block of 32 weights is decoded to fp32 exactly as gguf.quants de-quantizes it (an fp16
-// scale times a small integer code is exact in fp32, so a fused multiply-add gives the same
-// weight), then multiplied into every activation row while it sits in registers. The result is
-// F.linear over the de-quantized weights up to the order of the float sums, which is fixed:
-// each output is one thread's sum in the same order whatever the thread count (with AVX2: two
-// 8-lane accumulators over the blocks, then the 16 lanes in a fixed tree). AVX2 rows are taken
-// four at a time per pass over a weight row: a tree's rows read each weight from memory once.
+// Each thread takes a share of the output columns (W's rows), TILE_N at a time. A tile's weights
+// are decoded TILE_K inputs at a time into a small fp32 buffer that stays in L1 (exactly as
+// gguf.quants de-quantizes them: an fp16 scale times a small integer code is exact in fp32), and
+// every activation row, up to PANEL_M of them, is multiplied against that buffer in register
+// tiles of R rows x C columns; so a weight is read from memory and decoded once per PANEL_M rows,
+// not once per few rows, and a q-row tree costs little more than one row until the FMAs dominate.
+// One row (plain decoding) skips the buffer: each block is decoded in registers and used at once.
 //
-// Built and loaded by workers/quantized.py (build_kernel); the op is torch.ops.ddtree_lowbit.mm.
+// The order of every output's sum is fixed, whatever M, the tile a row lands in and the thread
+// count: lane j (of LANES = 8) sums x[k] w[k] over k = j mod 8 in increasing k, one fused
+// multiply-add each, starting from 0; then the 8 lanes add in one fixed tree (sum_lanes). So row
+// r of an M-row call is bitwise the 1-row call on that row (batch invariance), and the result is
+// F.linear over the de-quantized weights up to the order of the float sums.
+//
+// Built and loaded by workers/quantized.py (load_kernel); the op is torch.ops.ddtree_lowbit.mm.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,7 +25,6 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <vector>
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -27,8 +32,11 @@
 
 namespace {
 
-constexpr int64_t GROUP = 32;
-constexpr int64_t TILE = 4;  // activation rows multiplied per pass over a weight row
+constexpr int64_t GROUP = 32;    // weights per GGUF block
+constexpr int64_t LANES = 8;     // partial sums per output
+constexpr int64_t TILE_N = 12;   // output columns decoded together (R x C tiles below divide it)
+constexpr int64_t TILE_K = 256;  // inputs decoded together at most: a 12 KiB buffer
+constexpr int64_t PANEL_M = 64;  // activation rows multiplied per decoded tile
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -40,37 +48,25 @@ inline float half_at(const uint8_t* p) {
 #endif
 }
 
-// Each block type decodes its 32 weights into w[0..31], in the order of their columns:
-// scalar code everywhere, and with AVX2 the same values as four vectors of eight.
+// A hint to fetch the cache line at p; p may lie past the weights' end (a prefetch never faults).
+inline void prefetch(const uint8_t* p) {
+#ifdef __SSE__
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
+// Block types; decode(Block{}, b, w) writes a block's 32 weights to w[0..31] (32-byte aligned), in
+// the order of their inputs.
 struct Q4_0 {
   static constexpr int64_t BYTES = 18;  // fp16 d, 16 bytes of codes: w = d (q - 8)
-  static inline void decode(const uint8_t* b, float* w) {
-    const float d = half_at(b);
-    for (int j = 0; j < 16; ++j) {
-      w[j] = d * static_cast<float>((b[2 + j] & 0x0F) - 8);
-      w[j + 16] = d * static_cast<float>((b[2 + j] >> 4) - 8);
-    }
-  }
 };
-
 struct Q4_1 {
   static constexpr int64_t BYTES = 20;  // fp16 d, fp16 m, 16 bytes of codes: w = d q + m
-  static inline void decode(const uint8_t* b, float* w) {
-    const float d = half_at(b), m = half_at(b + 2);
-    for (int j = 0; j < 16; ++j) {
-      w[j] = d * static_cast<float>(b[4 + j] & 0x0F) + m;
-      w[j + 16] = d * static_cast<float>(b[4 + j] >> 4) + m;
-    }
-  }
 };
-
 struct Q8_0 {
   static constexpr int64_t BYTES = 34;  // fp16 d, 32 int8 codes: w = d q
-  static inline void decode(const uint8_t* b, float* w) {
-    const float d = half_at(b);
-    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
-    for (int j = 0; j < 32; ++j) w[j] = d * static_cast<float>(q[j]);
-  }
 };
 
 #ifdef __AVX2__
@@ -85,19 +81,20 @@ inline void nibbles(const uint8_t* q, __m256 c[4]) {
   c[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
 }
 
-inline void decode_avx2(Q4_0, const uint8_t* b, __m256 w[4]) {
+// A block's weights as four vectors of eight (inputs 0-7, 8-15, 16-23, 24-31).
+inline void decode(Q4_0, const uint8_t* b, __m256 w[4]) {
   const __m256 d = _mm256_set1_ps(half_at(b)), eight = _mm256_set1_ps(8.0f);
   nibbles(b + 2, w);
   for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(d, _mm256_sub_ps(w[i], eight));  // q - 8 is exact
 }
 
-inline void decode_avx2(Q4_1, const uint8_t* b, __m256 w[4]) {
+inline void decode(Q4_1, const uint8_t* b, __m256 w[4]) {
   const __m256 d = _mm256_set1_ps(half_at(b)), m = _mm256_set1_ps(half_at(b + 2));
   nibbles(b + 4, w);
   for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(d, w[i], m);  // d q is exact: one rounding, as d q + m
 }
 
-inline void decode_avx2(Q8_0, const uint8_t* b, __m256 w[4]) {
+inline void decode(Q8_0, const uint8_t* b, __m256 w[4]) {
   const __m256 d = _mm256_set1_ps(half_at(b));
   for (int i = 0; i < 4; ++i) {
     const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
@@ -105,85 +102,167 @@ inline void decode_avx2(Q8_0, const uint8_t* b, __m256 w[4]) {
   }
 }
 
-inline float sum_lanes(__m256 a, __m256 b) {  // a fixed order over the 16 lanes
-  const __m256 s = _mm256_add_ps(a, b);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+template <typename Block>
+inline void decode(Block, const uint8_t* b, float* w) {
+  __m256 v[4];
+  decode(Block{}, b, v);
+  for (int i = 0; i < 4; ++i) _mm256_store_ps(w + 8 * i, v[i]);
+}
+
+inline float sum_lanes(__m256 v) {  // ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-// y[m, n] for rows m of one tile (R <= TILE rows): two accumulators per row (columns 0-7 and
-// 16-23 of each block into one, 8-15 and 24-31 into the other), added at the end.
-template <typename Block, int R>
-inline void tile(const float* x, int64_t K, const uint8_t* row, int64_t groups, float* y, int64_t N) {
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  __m256 w[4];
-  for (int64_t g = 0; g < groups; ++g) {
-    decode_avx2(Block{}, row + g * Block::BYTES, w);
+inline float sum_lanes(const float* a) { return sum_lanes(_mm256_load_ps(a)); }
+
+// acc[r][c][0..7] += the products of R activation rows (x, row stride K) and C decoded weight
+// columns (w, stride TILE_K) over `steps` spans of 8 inputs; acc rows are TILE_N * LANES apart.
+template <int R, int C>
+inline void multiply_tile(const float* x, int64_t K, const float* w, float* acc, int64_t steps) {
+  __m256 a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = _mm256_load_ps(acc + (r * TILE_N + c) * LANES);
+  int64_t s = 0;
+  do {  // steps >= 4; with a for loop GCC copied the 12 accumulators through the stack per call (-17%)
+    __m256 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm256_load_ps(w + c * TILE_K + s * LANES);
     for (int r = 0; r < R; ++r) {
-      const float* xs = x + r * K + g * GROUP;
-      acc[r][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xs), acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xs + 8), acc[r][1]);
-      acc[r][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xs + 16), acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xs + 24), acc[r][1]);
+      const __m256 xv = _mm256_loadu_ps(x + r * K + s * LANES);
+      for (int c = 0; c < C; ++c) a[r][c] = _mm256_fmadd_ps(wv[c], xv, a[r][c]);
     }
-  }
-  for (int r = 0; r < R; ++r) y[r * N] = sum_lanes(acc[r][0], acc[r][1]);
+  } while (++s < steps);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm256_store_ps(acc + (r * TILE_N + c) * LANES, a[r][c]);
 }
 
-// Output columns [n0, n1) of y [M, N] from x [M, K] and W's blocks [N, K / 32, BYTES].
-template <typename Block>
-void columns(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  const int64_t groups = K / GROUP;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* row = blocks + n * groups * Block::BYTES;
-    int64_t m = 0;
-    for (; m + TILE <= M; m += TILE) tile<Block, TILE>(x + m * K, K, row, groups, y + m * N + n, N);
-    switch (M - m) {
-      case 3: tile<Block, 3>(x + m * K, K, row, groups, y + m * N + n, N); break;
-      case 2: tile<Block, 2>(x + m * K, K, row, groups, y + m * N + n, N); break;
-      case 1: tile<Block, 1>(x + m * K, K, row, groups, y + m * N + n, N); break;
+// One activation row (M = 1) times C weight rows, each block decoded in registers and used at
+// once (a buffer would only add stores and loads): the same sums as multiply_tile's, lane j
+// adding k = j, j + 8, ... in order.
+template <typename Block, int C>
+inline void one_row(const float* x, const uint8_t* rows, int64_t groups, float* y) {
+  __m256 a[C];
+  for (int c = 0; c < C; ++c) a[c] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xs = x + g * GROUP;
+    for (int c = 0; c < C; ++c) {
+      __m256 w[4];
+      // the same block of the next C rows: reading C rows side by side left the hardware's
+      // prefetcher behind (the Q8_0 LM head ran at a third of the old kernel's speed without it)
+      prefetch(rows + ((c + C) * groups + g) * Block::BYTES);
+      decode(Block{}, rows + (c * groups + g) * Block::BYTES, w);
+      for (int i = 0; i < 4; ++i) a[c] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xs + 8 * i), a[c]);
     }
   }
+  for (int c = 0; c < C; ++c) y[c] = sum_lanes(a[c]);
+}
+
+template <typename Block>
+void one_row_columns(const float* x, const uint8_t* blocks, float* y, int64_t K, int64_t n0, int64_t n1) {
+  constexpr int C = 4;  // 4 independent sums in flight, and no spills (6 spilled them with GCC)
+  const int64_t groups = K / GROUP;
+  int64_t n = n0;
+  for (; n + C <= n1; n += C) one_row<Block, C>(x, blocks + n * groups * Block::BYTES, groups, y + n);
+  for (; n < n1; ++n) one_row<Block, 1>(x, blocks + n * groups * Block::BYTES, groups, y + n);
 }
 #else
-inline float sum_lanes(const float* a) {  // a fixed pairwise order over 32 lanes
-  float s[16];
-  for (int j = 0; j < 16; ++j) s[j] = a[j] + a[j + 16];
-  for (int j = 0; j < 8; ++j) s[j] += s[j + 8];
-  for (int j = 0; j < 4; ++j) s[j] += s[j + 4];
-  return (s[0] + s[2]) + (s[1] + s[3]);
+inline void decode(Q4_0, const uint8_t* b, float* w) {
+  const float d = half_at(b);
+  for (int j = 0; j < 16; ++j) {
+    w[j] = d * static_cast<float>((b[2 + j] & 0x0F) - 8);
+    w[j + 16] = d * static_cast<float>((b[2 + j] >> 4) - 8);
+  }
 }
 
-// Output columns [n0, n1) of y [M, N] from x [M, K] and W's blocks [N, K / 32, BYTES]:
-// lane j of a row's 32 accumulators sums the blocks' column j.
-template <typename Block>
-void columns(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  const int64_t groups = K / GROUP;
-  std::vector<float> acc(M * GROUP);
-  float w[GROUP];
-  for (int64_t n = n0; n < n1; ++n) {
-    std::fill(acc.begin(), acc.end(), 0.0f);
-    const uint8_t* row = blocks + n * groups * Block::BYTES;
-    for (int64_t g = 0; g < groups; ++g) {
-      Block::decode(row + g * Block::BYTES, w);
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xs = x + m * K + g * GROUP;
-        float* a = acc.data() + m * GROUP;
-        for (int j = 0; j < GROUP; ++j) a[j] += w[j] * xs[j];
-      }
-    }
-    for (int64_t m = 0; m < M; ++m) y[m * N + n] = sum_lanes(acc.data() + m * GROUP);
+inline void decode(Q4_1, const uint8_t* b, float* w) {
+  const float d = half_at(b), m = half_at(b + 2);
+  for (int j = 0; j < 16; ++j) {
+    w[j] = d * static_cast<float>(b[4 + j] & 0x0F) + m;
+    w[j + 16] = d * static_cast<float>(b[4 + j] >> 4) + m;
   }
+}
+
+inline void decode(Q8_0, const uint8_t* b, float* w) {
+  const float d = half_at(b);
+  const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+  for (int j = 0; j < 32; ++j) w[j] = d * static_cast<float>(q[j]);
+}
+
+inline float sum_lanes(const float* a) {  // the AVX2 tree, in scalar code
+  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+template <int R, int C>
+inline void multiply_tile(const float* x, int64_t K, const float* w, float* acc, int64_t steps) {
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      float* a = acc + (r * TILE_N + c) * LANES;
+      for (int64_t s = 0; s < steps; ++s)
+        for (int j = 0; j < LANES; ++j) a[j] += w[c * TILE_K + s * LANES + j] * x[r * K + s * LANES + j];
+    }
 }
 #endif
 
+// Register tiles of R rows x C columns: C = TILE_N / R keeps 12 accumulators for any R.
+template <int R>
+void multiply_rows(const float* x, int64_t K, const float* w, float* acc, int64_t columns, int64_t steps) {
+  constexpr int C = TILE_N / R;
+  int64_t c = 0;
+  for (; c + C <= columns; c += C) multiply_tile<R, C>(x, K, w + c * TILE_K, acc + c * LANES, steps);
+  for (; c < columns; ++c) multiply_tile<R, 1>(x, K, w + c * TILE_K, acc + c * LANES, steps);
+}
+
+// Output columns of tiles [t0, t1) of y [M, N] from x [M, K] and W's blocks [N, K / 32, BYTES].
+template <typename Block>
+void tiles(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1) {
+  alignas(32) float w[TILE_N * TILE_K];             // decoded weights [column][input]
+  alignas(32) float acc[PANEL_M * TILE_N * LANES];  // partial sums [row][column][lane]
+  const int64_t groups = K / GROUP;
+  const int64_t chunks = std::max<int64_t>(1, (K + TILE_K - 1) / TILE_K);
+  const int64_t span = (groups + chunks - 1) / chunks * GROUP;  // inputs per chunk, chunks of even size
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t n0 = t * TILE_N, columns = std::min(TILE_N, N - n0);
+    for (int64_t m0 = 0; m0 < M; m0 += PANEL_M) {
+      const int64_t rows = std::min(PANEL_M, M - m0);
+      std::fill(acc, acc + rows * TILE_N * LANES, 0.0f);
+      for (int64_t k0 = 0; k0 < K; k0 += span) {
+        const int64_t width = std::min(span, K - k0);
+        for (int64_t c = 0; c < columns; ++c) {
+          const uint8_t* row = blocks + ((n0 + c) * groups + k0 / GROUP) * Block::BYTES;
+          for (int64_t g = 0; g < width / GROUP; ++g) {
+            prefetch(row + (TILE_N * groups + g) * Block::BYTES);  // the next tile's block (see one_row)
+            decode(Block{}, row + g * Block::BYTES, w + c * TILE_K + g * GROUP);
+          }
+        }
+        const float* xs = x + m0 * K + k0;
+        const int64_t steps = width / LANES;
+        int64_t m = 0;
+        for (; m + 4 <= rows; m += 4) multiply_rows<4>(xs + m * K, K, w, acc + m * TILE_N * LANES, columns, steps);
+        switch (rows - m) {
+          case 3: multiply_rows<3>(xs + m * K, K, w, acc + m * TILE_N * LANES, columns, steps); break;
+          case 2: multiply_rows<2>(xs + m * K, K, w, acc + m * TILE_N * LANES, columns, steps); break;
+          case 1: multiply_rows<1>(xs + m * K, K, w, acc + m * TILE_N * LANES, columns, steps); break;
+        }
+      }
+      for (int64_t m = 0; m < rows; ++m)
+        for (int64_t c = 0; c < columns; ++c) y[(m0 + m) * N + n0 + c] = sum_lanes(acc + (m * TILE_N + c) * LANES);
+    }
+  }
+}
+
 template <typename Block>
 void run(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, int64_t K) {
-  // about 64 KiB of weights per task, so small matrices stay on one thread
-  const int64_t grain = std::max<int64_t>(1, 65536 / ((K / GROUP) * Block::BYTES));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { columns<Block>(x, blocks, y, M, N, K, n0, n1); });
+  // A task of about 64 KiB of weights at one row, fewer as rows add multiplications, so that
+  // small matrices at one row stay on one thread and a tree's rows split even small ones.
+  const int64_t tile_bytes = TILE_N * (K / GROUP) * Block::BYTES;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, tile_bytes * (1 + std::min(M, PANEL_M) / 4)));
+  at::parallel_for(0, (N + TILE_N - 1) / TILE_N, grain, [&](int64_t t0, int64_t t1) {
+#ifdef __AVX2__
+    if (M == 1) return one_row_columns<Block>(x, blocks, y, K, t0 * TILE_N, std::min(N, t1 * TILE_N));
+#endif
+    tiles<Block>(x, blocks, y, M, N, K, t0, t1);
+  });
 }
 
 // x [M, K] float32, blocks [N, K / 32, bytes per block] uint8 -> [M, N] float32

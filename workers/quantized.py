@@ -137,19 +137,13 @@ def load_kernel(cache_dir: Path) -> None:
 
 # --- modules --------------------------------------------------------------------------------
 
-# Rows up to which the kernel runs. Measured on SmolLM2 (1 thread, AVX2): the kernel's forward is
-# 1.25x float's at 41 rows, 1.5x at 100, and de-quantizing in torch ops then torch.mm ~2.3x at 41.
-DENSE_ROWS = 256
-DENSE_CHUNK_ROWS = 4096  # output rows de-quantized at a time on that path
-
-
 class QuantizedLinear(nn.Module):
     """A bias-free nn.Linear whose weight stays GGUF blocks: forward(x [..., K]) -> [..., N].
 
-    Up to DENSE_ROWS rows (decoding, tree verification, prefill chunks) go through the C++
-    kernel, which decodes each block as it multiplies; longer inputs de-quantize DENSE_CHUNK_ROWS
-    output rows at a time and call torch.mm. Both give F.linear(x, self.dequantize()) up to float summation
-    order."""
+    Every input goes through the C++ kernel (decoding, tree verification, prefill), which decodes
+    each weight once per 64 rows of x into a small fp32 tile and multiplies the rows against it:
+    F.linear(x, self.dequantize()) up to float summation order, and each row's result is the same
+    whichever other rows come with it."""
 
     def __init__(self, kind: str, blocks: torch.Tensor):
         super().__init__()
@@ -178,13 +172,7 @@ class QuantizedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if flat.dtype != torch.float32:
             raise TypeError(f"QuantizedLinear multiplies float32 activations, got {flat.dtype}")
-        if flat.shape[0] <= DENSE_ROWS:
-            out = torch.ops.ddtree_lowbit.mm(flat, self.blocks, self.kind)
-        else:
-            out = flat.new_empty(flat.shape[0], self.out_features)
-            for start in range(0, self.out_features, DENSE_CHUNK_ROWS):
-                rows = slice(start, min(start + DENSE_CHUNK_ROWS, self.out_features))
-                torch.mm(flat, self.dequantize(rows).T, out=out[:, rows])
+        out = torch.ops.ddtree_lowbit.mm(flat, self.blocks, self.kind)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
