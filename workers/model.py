@@ -239,8 +239,10 @@ class RMSNorm(nn.Module):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through oneDNN for float32 on the CPU: measured on this 2-core AVX2 machine, a
     whole SmolLM2 forward is 0.73x F.linear's time at 1 row and 0.72-0.81x at 9-17 (F.linear
-    goes to MKL, whose small-row GEMMs are slow here; benchmarks/verify_cost.py --linear)."""
-    if LINEAR_BACKEND == "onednn" and x.dtype == torch.float32 and x.device.type == "cpu" and weight.dtype == torch.float32:
+    goes to MKL, whose small-row GEMMs are slow here; benchmarks/verify_cost.py --linear).
+    With gradients on (training a drafter through the target's head) it is F.linear."""
+    if (LINEAR_BACKEND == "onednn" and x.dtype == torch.float32 and x.device.type == "cpu"
+            and weight.dtype == torch.float32 and not torch.is_grad_enabled()):  # the oneDNN op has no backward
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
