@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .sampling import inverse_cdf, uniform
-from .tree import Tree, ancestor_mask, compact_kv, walk_tree
+from .tree import Candidates, Tree, ancestor_mask, compact_kv, walk_tree
 from .tree_batch import TreeBatch, TreeMeta, WalkBatch, pack_bits, unpack_bits
 from .triton_support import use_triton
 
@@ -151,6 +151,15 @@ def topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Ten
 
         return topk_logprobs_triton(logits, k)
     return topk_logprobs_ref(logits, k)
+
+
+def top_k_candidates(logprobs: torch.Tensor, k: int) -> Candidates:
+    """The drafter's top-k per depth from its log-probs [D, V]: on CUDA the top-K kernel (only
+    [D, k] leaves the device; the log-softmax of log-probs is themselves), else Candidates.top_k."""
+    if not use_triton(logprobs):
+        return Candidates.top_k(logprobs, k)
+    values, ids = topk_logprobs(logprobs.float(), min(k, logprobs.shape[-1]))
+    return Candidates(values.double().tolist(), ids.tolist())
 
 
 def topk_logprobs_ref(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

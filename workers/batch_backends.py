@@ -23,8 +23,7 @@ from typing import Protocol
 import torch
 
 from ..config import SamplingParams
-from ..kernels.batched import topk_logprobs
-from ..kernels.triton_support import use_triton
+from ..kernels.batched import top_k_candidates
 from ..kernels.tree import Candidates
 from .kv_pool import KVStorage
 from .model import TargetModel, TreeBits
@@ -134,13 +133,7 @@ class LocalBatchDrafter:
     def propose(self, rows: DraftRows) -> list[Candidates]:
         logprobs = self.proposer.draft_rows([self.caches[i] for i in rows.ids], rows.features,
                                             torch.tensor(rows.bonus), torch.tensor(rows.start))
-        if not use_triton(logprobs):
-            return [Candidates.top_k(logprobs[r], k) for r, k in enumerate(rows.top_k)]
-        out = []  # on the GPU: the top-K kernel; only [D, K] per row comes back
-        for r, k in enumerate(rows.top_k):
-            values, ids = topk_logprobs(logprobs[r].float(), min(k, logprobs.shape[-1]))  # log-softmax of log-probs: themselves
-            out.append(Candidates(values.double().tolist(), ids.tolist()))
-        return out
+        return [top_k_candidates(logprobs[r], k) for r, k in enumerate(rows.top_k)]
 
     def close(self, seq_id: int) -> None:
         self.caches.pop(seq_id, None)

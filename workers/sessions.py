@@ -19,7 +19,7 @@ import torch
 from typing import Protocol
 
 from ..config import SamplingParams
-from ..kernels.batched import compact_kv_batch, topk_logprobs, tree_metadata, walk_batch
+from ..kernels.batched import compact_kv_batch, top_k_candidates, tree_metadata, walk_batch
 from ..kernels.tree import Candidates, Tree, VerifyBlock, compact_kv, walk_tree, verify_block
 from ..kernels.tree_batch import TreeBatch
 from ..kernels.triton_support import use_triton
@@ -166,12 +166,7 @@ class DraftSession:
     def propose(self, features: torch.Tensor, bonus: int, start: int, top_k: int) -> Proposal:
         t0 = time.perf_counter()
         logprobs = self.drafter.draft(self.cache, features, torch.tensor([bonus]), torch.tensor([start]))[0]
-        if use_triton(logprobs):  # top-K on the GPU (Triton); only [D, K] comes back
-            values, ids = topk_logprobs(logprobs.float(), min(top_k, logprobs.shape[-1]))  # log-softmax of log-probs: themselves
-            candidates = Candidates(values.double().tolist(), ids.tolist())
-        else:
-            candidates = Candidates.top_k(logprobs, top_k)
-        return Proposal(candidates, time.perf_counter() - t0)
+        return Proposal(top_k_candidates(logprobs, top_k), time.perf_counter() - t0)
 
     def close(self) -> None:
         self.cache = None
