@@ -12,7 +12,6 @@ within a table (the machine is shared and noisy).
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field

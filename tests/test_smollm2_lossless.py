@@ -19,7 +19,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from ddtree.config import SamplingParams
 from ddtree.workers.requests import Request

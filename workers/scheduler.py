@@ -288,10 +288,6 @@ class Scheduler:
         """Drafted nodes a budget asks for (a chain: one per drafted depth)."""
         return tree_rows(budget, self.drafter.block_size if self.drafter is not None else 1) - 1
 
-    def verify_len(self, budget: Budget) -> int:
-        """Q: the verify rows a lone request at `budget` runs (its tree's rows, bucketed)."""
-        return bucket(self._nodes(budget) + 1)
-
     def _decode(self) -> list[_Sequence]:
         rows = [s for s in self.running if s.prefilled and s.finish_reason is None]
         if not rows:
