@@ -11,7 +11,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from .config import GenerateConfig, ModelPairConfig, SamplingParams
-from .flags import add_field_flags, field_values
+from .flags import add_field_flags, field_values, flag_name
 
 # The flags that set config fields: each takes its type, default and help from the field.
 GENERATE_FIELDS = ("model", "drafter", "budget", "max_tokens", "stop", "dtype", "weights", "tp")
@@ -33,7 +33,7 @@ def _generate(args: argparse.Namespace) -> int:
         )
     except ValidationError as err:
         for e in err.errors():
-            print(f"ddtree generate: --{str(e['loc'][-1]).replace('_', '-')}: {e['msg']}", file=sys.stderr)
+            print(f"ddtree generate: {flag_name(str(e['loc'][-1]))}: {e['msg']}", file=sys.stderr)
         return 2
     from .engine import Engine  # heavy imports after the arguments are known to be valid
 
