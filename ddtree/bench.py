@@ -163,15 +163,16 @@ def run_bench(
         if progress:
             progress(i + 1, len(encoded))
 
-    sizes = sorted({1} | {engine.verify_len(b) for b in budgets if b != 0})
+    sizes = sorted({1} | {engine.verify_len(b) for b in budgets if b not in (0, "auto")})
     costs = verify_costs(engine, sizes)
     out = list(rows.values())
     for row in out:
         row.tokens_per_s = row.tokens / row.seconds if row.seconds else 0.0
         if row.mode == "ddtree":
             row.tau = row.round_tokens / row.rounds if row.rounds else 0.0
-            row.verify_rows = engine.verify_len(row.budget)
-            row.verify_cost_ratio = costs[row.verify_rows] / costs[1]
+            row.verify_rows = engine.verify_len(row.budget)  # None for auto: the policy's Q varies
+            if row.verify_rows is not None:
+                row.verify_cost_ratio = costs[row.verify_rows] / costs[1]
     ar = next(r for r in out if r.mode == "ddtree" and r.budget == 0).tokens_per_s if 0 in budgets else None
     hf_rate = next((r.tokens_per_s for r in out if r.mode == "hf-generate"), None)
     for row in out:

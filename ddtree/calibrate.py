@@ -1,10 +1,11 @@
-"""`budget: auto`: choose the tree budget by measurement on the machine it runs on.
+"""`budget: auto`'s start-up measurement: T(r), the seconds of one target forward over r rows.
 
-Speculation pays only when tau outgrows the verify cost T(budget + 1) / T(1), and both depend
-on the drafter and the hardware: on a GPU verification is nearly free, on a 2-core CPU a 17-token
-pass costs about two plain steps. So at start-up the engine times a short greedy generation at
-each candidate budget, keeps the fastest (budget 0 unless another is clearly faster), and caches
-the choice per (target, drafter, dtype, machine) so later starts skip the measurement.
+The budget policy (workers.policy) weighs every tree against what its verify rows cost, and
+that cost is the machine's: flat up to a knee on a GPU, steep on a 2-core CPU. At start-up the
+engine times one forward through the scheduler's own target backend (in process, or the
+tensor-parallel shards) at row counts from 1 to `max_step_tokens`, and caches the curve per
+(target, weights, dtype, tp, machine, row limit) so later starts skip it. The live steps refine
+the curve from then on (workers.policy.CostCurve).
 """
 
 from __future__ import annotations
@@ -19,70 +20,35 @@ from pathlib import Path
 
 import torch
 
-from .config import SamplingParams
 from .workers.loading import cache_root
+from .workers.policy import CostCurve, measure_step_cost
+from .workers.scheduler import row_counts
 
 logger = logging.getLogger("ddtree")
 
-CANDIDATES = (0, "chain", 8, 16, 32)
-PROBE_PROMPTS = (
-    "Explain what a binary search does, step by step.",
-    "Write a Python function that reverses a string.",
-)
-PROBE_TOKENS = 32
-MIN_GAIN = 1.10  # speculation must be at least this much faster than budget 0 to be chosen
 
-
-def choose_budget(tokens_per_s: dict) -> int | str:
-    """The fastest budget, provided it beats budget 0 by MIN_GAIN; else 0."""
-    best = max(tokens_per_s, key=tokens_per_s.get)
-    if best != 0 and tokens_per_s[best] < MIN_GAIN * tokens_per_s[0]:
-        return 0
-    return best
-
-
-def machine_key(engine, drafter_id: str) -> str:
+def machine_key(engine) -> str:
     cpu = platform.processor() or platform.machine()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu:{cpu}:{torch.get_num_threads()}t"
-    raw = json.dumps([str(engine.target.directory), drafter_id, engine.config.dtype, engine.config.weights,
-                      engine.config.tp, device, torch.__version__])
+    raw = json.dumps([str(engine.target.directory), engine.config.dtype, engine.config.weights, engine.config.tp,
+                      engine.scheduler.limits.max_step_tokens, device, torch.__version__, "step-cost-v1"])
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 
-def measure(engine, candidates=CANDIDATES) -> dict:
-    """tokens/s of a short greedy generation per budget, candidates interleaved per prompt."""
-    greedy = SamplingParams()
-    prompts = [engine.render_chat([{"role": "user", "content": p}]) for p in PROBE_PROMPTS]
-    tokens = dict.fromkeys(candidates, 0)
-    seconds = dict.fromkeys(candidates, 0.0)
-    for b in candidates:  # warm-up
-        engine.generate([engine.request(prompts[0], 4, greedy, budget=b)])
-    for prompt in prompts:
-        for b in candidates:
-            start = time.perf_counter()
-            result = engine.generate([engine.request(prompt, PROBE_TOKENS, greedy, budget=b)])[0]
-            seconds[b] += time.perf_counter() - start
-            tokens[b] += len(result.tokens)
-    return {b: tokens[b] / seconds[b] for b in candidates}
-
-
-def calibrated_budget(engine, drafter_id: str) -> int | str:
-    """The cached choice for this engine and machine, or a fresh measurement (then cached)."""
+def step_costs(engine) -> CostCurve:
+    """The cached T(r) of this engine and machine, or a fresh measurement (then cached)."""
     path = Path(os.environ.get("DDTREE_CALIBRATION", cache_root() / "calibration.json"))
-    key = machine_key(engine, drafter_id)
+    key = machine_key(engine)
     table = json.loads(path.read_text()) if path.is_file() else {}
-    if key in table:
-        return table[key]["budget"]
+    if key in table and "step_seconds" in table[key]:
+        return CostCurve({int(r): s for r, s in table[key]["step_seconds"].items()})
     started = time.perf_counter()
-    rates = measure(engine)
-    budget = choose_budget(rates)
-    logger.info(
-        "budget auto: chose %s in %.1f s (tokens/s %s)", budget, time.perf_counter() - started,
-        {str(b): round(r, 2) for b, r in rates.items()},
-    )
-    table[key] = {"budget": budget, "tokens_per_s": {str(b): r for b, r in rates.items()}, "at": time.time()}
+    seconds = measure_step_cost(engine.scheduler, row_counts(engine.scheduler.limits.max_step_tokens))
+    logger.info("budget auto: measured the target's step cost in %.1f s: %s", time.perf_counter() - started,
+                {r: f"{1000 * s:.1f} ms" for r, s in seconds.items()})
+    table[key] = {"step_seconds": {str(r): s for r, s in seconds.items()}, "at": time.time()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(table, indent=2))
     tmp.replace(path)
-    return budget
+    return CostCurve(seconds)

@@ -165,7 +165,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     try:
         budgets = [parse_budget(b.strip()) for b in args.budgets.split(",")]
-        config = ModelPairConfig(**field_values(args, BENCH_FIELDS), budget=0)
+        # the policy's step cost is measured at start-up only for an engine whose budget is auto
+        config = ModelPairConfig(**field_values(args, BENCH_FIELDS), budget="auto" if "auto" in budgets else 0)
     except (ValueError, ValidationError) as err:
         print(f"ddtree bench: {err}", file=sys.stderr)
         return 2

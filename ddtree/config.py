@@ -68,8 +68,9 @@ class ModelPairConfig(BaseModel):
     )
     budget: int | Literal["chain", "auto"] = Field(
         "auto", description="Draft-tree budget: 0 = plain decoding, 'chain' = vanilla DFlash, "
-        "N = DDTree with N drafted nodes, 'auto' = the fastest on this machine, measured at "
-        "start-up and cached (never slower than plain decoding)."
+        "N = DDTree with N drafted nodes, 'auto' = each step grants each sequence the tree that "
+        "maximizes the batch's tokens/s, from costs measured on this machine and each sequence's own "
+        "acceptance (README, 'How budget: auto chooses')."
     )
     block_size: int = Field(8, ge=2, description="Block size of the untrained default drafter.")
     dtype: Literal["float32", "float64", "bfloat16"] = Field("float32", description="Weights dtype.")
@@ -125,7 +126,7 @@ class ModelPairConfig(BaseModel):
     @field_validator("budget", mode="before")
     @classmethod
     def _budget(cls, v):
-        return v if v == "auto" else parse_budget(v)
+        return parse_budget(v)
 
     @model_validator(mode="after")
     def _native_weights_fit(self):
@@ -153,15 +154,17 @@ class ModelPairConfig(BaseModel):
 
 
 def parse_budget(v, max_budget: int | None = None):
-    """'chain', or a non-negative integer (also given as a string) of at most `max_budget`;
+    """'chain', 'auto', or a non-negative integer (also given as a string) of at most `max_budget`;
     ValueError otherwise. The one rule for what a budget may be (config files, flags, requests)."""
-    if isinstance(v, str) and v != "chain":
+    if v in ("chain", "auto"):
+        return v
+    if isinstance(v, str):
         try:
             v = int(v)
         except ValueError:
-            raise ValueError("budget must be a non-negative integer or 'chain'") from None
-    if isinstance(v, bool) or (not isinstance(v, int) and v != "chain"):
-        raise ValueError("budget must be a non-negative integer or 'chain'")
+            raise ValueError("budget must be a non-negative integer, 'chain' or 'auto'") from None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError("budget must be a non-negative integer, 'chain' or 'auto'")
     if isinstance(v, int) and v < 0:
         raise ValueError("budget must be >= 0 (0 = plain decoding)")
     if max_budget is not None and isinstance(v, int) and v > max_budget:

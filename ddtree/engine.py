@@ -21,7 +21,7 @@ import torch
 from .config import GenerateConfig, ModelPairConfig, SamplingParams
 from .workers.drafter import DFlashDrafter
 from .workers.kv_pool import KVStorage
-from .workers.loading import LoadedTarget, load_target, load_tokenizer, target_directory, weights_identity
+from .workers.loading import LoadedTarget, load_target, load_tokenizer, target_directory
 from .workers.model import ModelConfig
 from .workers.requests import Budget, Request, Result, Update, check_budget, tree_rows
 from .workers.scheduler import BatchLimits, Scheduler, bucket
@@ -111,7 +111,6 @@ class Engine:
         logger.info("ddtree engine: %d intra-op threads (%s)", threads, why)
         # The drafter is loaded even at budget 0, so that a request may ask for another budget.
         drafter_path = config.drafter or (shipped_drafter() if config.model is None else None)
-        fixed = 0 if config.budget == "auto" else config.budget
         if config.tp > 1:
             from .workers.distributed import RayInstance, WorkerSpec
 
@@ -122,7 +121,7 @@ class Engine:
                               config.dtype, config.tp, threads)
             model_config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
             limits = batch_limits(config, model_config, dtype, device(config))
-            instance = RayInstance(spec, fixed, config.placement, limits)
+            instance = RayInstance(spec, config.budget, config.placement, limits)
             engine = cls(config, target, instance.scheduler, instance.block_size, instance)
         else:
             if config.weights == "native" and device(config).type != "cpu":
@@ -136,15 +135,12 @@ class Engine:
             ).to(device(config))
             engine = cls(config, target, None, drafter.block_size)
             limits = batch_limits(config, target.model.config, dtype, target.model.device)
-            engine.scheduler = Scheduler.local(target.model, drafter, fixed, limits, engine.decode)
-        if config.budget == "auto":
-            from .calibrate import calibrated_budget
+            engine.scheduler = Scheduler.local(target.model, drafter, config.budget, limits, engine.decode)
+            # the budget policy's T(r), for the deployment's budget or any request's "auto" (tp > 1:
+            # the SchedulerActor measures it)
+            from .calibrate import step_costs
 
-            if drafter_path:
-                drafter_id = weights_identity(Path(drafter_path))  # one file or shards
-            else:
-                drafter_id = f"untrained-block{config.block_size}"
-            engine.budget = calibrated_budget(engine, drafter_id)
+            engine.scheduler.policy.verify = step_costs(engine)
         return engine
 
     @property
@@ -179,9 +175,10 @@ class Engine:
             if not done:  # a consumer that stopped early: the sequence leaves, its pages come back
                 self.scheduler.cancel(seq_id)
 
-    def verify_len(self, budget: Budget) -> int:
-        """Q: the verify rows a lone request at `budget` runs (its tree's rows, bucketed)."""
-        return bucket(tree_rows(budget, self.block_size))
+    def verify_len(self, budget: Budget) -> int | None:
+        """Q: the verify rows a lone request at `budget` runs (its tree's rows, bucketed); None
+        for "auto", whose Q the policy chooses every step."""
+        return None if budget == "auto" else bucket(tree_rows(budget, self.block_size))
 
     def shutdown(self) -> None:
         """Releases the Ray actors of a tp > 1 engine (nothing to do in process)."""

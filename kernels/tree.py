@@ -24,6 +24,9 @@ class Tree:
     tokens: torch.Tensor  # [N] int64; tokens[0] is the root (bonus) token
     parents: torch.Tensor  # [N] int64; parents[0] = -1 and parents[i] < i
     depths: torch.Tensor  # [N] int64; depths[0] = 0, depths[i] = depths[parents[i]] + 1
+    # [N] float64: each node's best-first score, the drafter's log-probability of the path from
+    # the root to it (root 0); None for a tree not grown best-first
+    scores: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -33,7 +36,15 @@ class Tree:
     @classmethod
     def root_only(cls, root_token: int) -> "Tree":
         one = torch.tensor
-        return cls(one([root_token]), one([-1]), one([0]))
+        return cls(one([root_token]), one([-1]), one([0]), one([0.0], dtype=torch.float64))
+
+    def prefix(self, budget: int) -> "Tree":
+        """The first `budget` non-root nodes. Of a best-first tree this is exactly the tree a
+        smaller budget grows (the heap pops in the same order; the budget only stops it), and
+        a valid tree of any tree (parents[i] < i)."""
+        n = min(budget + 1, self.size)
+        return Tree(self.tokens[:n], self.parents[:n], self.depths[:n],
+                    self.scores[:n] if self.scores is not None else None)
 
 
 @dataclass(frozen=True)
@@ -116,7 +127,7 @@ def grow_tree(root_token: int, candidates: Candidates, budget: int) -> Tree:
         if depth < depth_count:  # the best child of the new node
             heapq.heappush(heap, (-(scores[node] + lp[depth][0]), order, node, depth + 1, 0))
             order += 1
-    return Tree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths))
+    return Tree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.tensor(scores, dtype=torch.float64))
 
 
 def chain_tree(root_token: int, logprobs: torch.Tensor) -> Tree:

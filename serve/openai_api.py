@@ -89,9 +89,9 @@ class StreamOptions(BaseModel):
 
 class Speculation(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    budget: Annotated[StrictInt, Field(ge=0)] | Literal["chain"] | None = Field(
-        None, description="Tree budget for this request only: 0 = plain decoding, 'chain', or N "
-        "(at most the server's max_budget)."
+    budget: Annotated[StrictInt, Field(ge=0)] | Literal["chain", "auto"] | None = Field(
+        None, description="Tree budget for this request only: 0 = plain decoding, 'chain', N "
+        "(at most the server's max_budget), or 'auto' (the server's budget policy)."
     )
 
 

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
+
+# The budget policy's measured step costs (ddtree.calibrate) go to this session's own file, not
+# the user's cache (Ray's workers inherit the variable).
+os.environ.setdefault("DDTREE_CALIBRATION", os.path.join(tempfile.mkdtemp(prefix="ddtree-tests-"), "calibration.json"))
 
 # Triton kernels run on CPU through the interpreter (read when kernels are defined, so before
 # anything imports Triton); `make gpu-check` runs the same tests compiled on CUDA instead.

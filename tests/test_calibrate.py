@@ -1,45 +1,39 @@
-"""`budget: auto`: the choice rule, and that a machine measures once."""
+"""The budget policy's start-up measurement (ddtree.calibrate): T(r) over the row counts a step
+can use, through the engine's own target backend, measured once per machine and cached."""
 
 from __future__ import annotations
 
 import json
 
-import pytest
-
 from ddtree import calibrate
-from ddtree.calibrate import CANDIDATES, choose_budget
 from ddtree.config import ModelPairConfig, SamplingParams
 from ddtree.engine import Engine
+from ddtree.workers.scheduler import row_counts
 
 
-@pytest.mark.parametrize(
-    "rates,expected",
-    [
-        ({0: 10.0, "chain": 10.5, 16: 9.0}, 0),  # 5% faster is within noise: stay plain
-        ({0: 10.0, "chain": 11.5, 16: 12.0}, 16),
-        ({0: 10.0, 8: 3.0}, 0),
-        ({0: 10.0, "chain": 30.0, 16: 25.0}, "chain"),
-    ],
-)
-def test_choose_budget(rates, expected):
-    assert choose_budget(rates) == expected
+def test_row_counts_are_the_buckets_under_the_step_limit():
+    assert row_counts(1024) == [1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1024]
+    assert row_counts(64) == [1, 2, 3, 5, 9, 17, 33, 64]
+    assert row_counts(1) == [1]
 
 
-def test_auto_measures_once_per_machine_and_stays_lossless(tiny_chat_model, tmp_path, monkeypatch):
+def test_step_costs_are_measured_once_per_machine_and_auto_stays_lossless(tiny_chat_model, tmp_path, monkeypatch):
     monkeypatch.setenv("DDTREE_CALIBRATION", str(tmp_path / "calibration.json"))
-    config = ModelPairConfig(model=str(tiny_chat_model), budget="auto", block_size=4)
+    config = ModelPairConfig(model=str(tiny_chat_model), budget="auto", block_size=4, max_step_tokens=64)
     first = Engine.from_config(config)
-    assert first.budget in CANDIDATES
-    table = json.loads((tmp_path / "calibration.json").read_text())
-    (entry,) = table.values()
-    assert entry["budget"] == first.budget and set(entry["tokens_per_s"]) == {str(c) for c in CANDIDATES}
+    assert first.budget == "auto"
+    (entry,) = json.loads((tmp_path / "calibration.json").read_text()).values()
+    measured = {int(r): s for r, s in entry["step_seconds"].items()}
+    assert sorted(measured) == row_counts(64) and all(s > 0 for s in measured.values())
+    assert first.scheduler.policy.verify.points == measured
+    assert first.scheduler.pool.free_pages == first.scheduler.pool.num_pages, "the measurement's pages came back"
 
-    def no_second_measurement(engine, candidates=CANDIDATES):
-        raise AssertionError("the cached choice should have been used")
+    def no_second_measurement(*args, **kwargs):
+        raise AssertionError("the cached step costs should have been used")
 
-    monkeypatch.setattr(calibrate, "measure", no_second_measurement)
+    monkeypatch.setattr(calibrate, "measure_step_cost", no_second_measurement)
     again = Engine.from_config(config)
-    assert again.budget == first.budget
+    assert again.scheduler.policy.verify.points == measured
 
     prompt = again.render_chat([{"role": "user", "content": "hello"}])
     auto = again.generate([again.request(prompt, 12, SamplingParams())])[0]

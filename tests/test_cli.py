@@ -37,7 +37,7 @@ def test_generate_json_lines_and_budget_invariance():
     "args,message",
     [
         (["--budget", "-3"], "budget must be >= 0"),
-        (["--budget", "wide"], "non-negative integer or 'chain'"),
+        (["--budget", "wide"], "non-negative integer, 'chain' or 'auto'"),
         (["--temperature", "-0.5"], "--temperature: Input should be greater than or equal to 0"),
         (["--top-p", "1.5"], "--top-p: Input should be less than or equal to 1"),
         (["--max-tokens", "0"], "max-tokens"),

@@ -43,7 +43,8 @@ from .requests import Budget, Request, Result, Update, check_budget
 from .drafter import DFlashConfig, DFlashDrafter
 from .loading import load_target_heads, load_target_weights, load_tokenizer
 from .model import ModelConfig
-from .scheduler import BatchLimits, Scheduler
+from .policy import CostCurve, measure_step_cost
+from .scheduler import BatchLimits, Scheduler, row_counts
 from .tensor_parallel import ShardSpec, TensorParallel
 
 PROCESS_GROUP_TIMEOUT_S = 120  # a collective waiting longer than this for a dead peer fails
@@ -288,6 +289,9 @@ class SchedulerActor:
             self.limits,
             decode=self.decode if self.tokenizer is not None else None,
         )
+        if self.scheduler.drafter is not None:  # the budget policy's step cost over these shards (not cached)
+            counts = row_counts(self.limits.max_step_tokens)
+            self.scheduler.policy.verify = CostCurve(measure_step_cost(self.scheduler, counts))
 
     def _stop_workers(self) -> None:
         for w in self.workers:

@@ -100,16 +100,6 @@ def safetensors_files(directory: Path) -> list[Path]:
     return [directory / name for name in names]
 
 
-def weights_identity(directory: Path) -> str:
-    """Names the weights' current version: each weight file's name, size and modification time
-    (sharded or not). A retrained or replaced checkpoint gets a new identity."""
-    parts = []
-    for path in safetensors_files(Path(directory)):
-        stat = path.stat()
-        parts.append(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}")
-    return f"{directory}:" + ",".join(parts)
-
-
 def read_safetensors_dir(directory: Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint, or only those in `names` (read without the others)."""
     state: dict[str, torch.Tensor] = {}

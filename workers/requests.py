@@ -16,7 +16,7 @@ from typing import Callable, Literal
 
 from ..config import GREEDY, SamplingParams, parse_budget
 
-Budget = int | Literal["chain"]
+Budget = int | Literal["chain", "auto"]
 
 # The phases of a round, as RoundStats times them (`<phase>_s`): draft (the drafter's pass),
 # tree (building it), verify (the target's forward), commit (walk, KV moves, stop checks),
@@ -26,8 +26,11 @@ PHASES = ("draft", "tree", "verify", "commit", "transport")
 
 def check_budget(budget: Budget, has_drafter: bool, max_budget: int | None = None) -> Budget:
     """`budget` if an engine with (or without) a drafter can run it, under an optional cap;
-    ValueError otherwise (config.parse_budget says what a budget may be)."""
+    ValueError otherwise (config.parse_budget says what a budget may be). "auto" without a
+    drafter is plain decoding."""
     budget = parse_budget(budget, max_budget)
+    if budget == "auto" and not has_drafter:
+        return 0
     if budget != 0 and not has_drafter:
         raise ValueError(f"budget {budget!r} needs a drafter; use budget 0 for plain decoding")
     return budget
@@ -60,6 +63,7 @@ class RoundStats:
     drafted_per_depth: tuple[int, ...] = ()  # [depth - 1] -> tree nodes at that depth
     transport_s: float = 0.0  # time in calls beyond the models' own work (Ray, serialization)
     budget: Budget | None = None  # the budget this round was granted (a batch may grant less than asked)
+    predicted: float | None = None  # budget "auto": the accepted tokens the policy expected of this round
 
 
 @dataclass

@@ -8,7 +8,7 @@ Each `step()`:
      fit in `max_prefill_tokens` tokens this step -- a long prompt never holds up the others'
      decoding by more than one chunk;
   4. drafts: one drafter pass per drafting sequence, and one tree per sequence at the budget it
-     is granted (see `grant`);
+     is granted (a fixed budget: see `grant`; "auto": workers.policy, which also picks the Q);
   5. verifies: ONE target forward over every decoding sequence's tree, each padded to the step's
      common row count Q (a bucket, so shapes repeat); padding rows sit at their row's start
      position, see only themselves and are never read;
@@ -45,6 +45,7 @@ from .batch_backends import BatchDrafter, BatchTarget, DraftRows, LocalBatchDraf
 from .requests import Budget, Request, Result, RoundStats, Update, check_budget, check_request, check_stop, tree_rows
 from .kv_pool import PageAllocator, PoolFull
 from .model import TreeBits
+from .policy import BudgetPolicy, SequenceEstimate
 
 # Verify row counts Q a step may use: a budget-2^k tree (2^k + 1 rows) fills its bucket exactly.
 VERIFY_BUCKETS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1025, 2049)
@@ -56,6 +57,12 @@ def bucket(rows: int) -> int:
         if q >= rows:
             return q
     return rows
+
+
+def row_counts(max_rows: int) -> list[int]:
+    """The verify buckets below `max_rows`, and `max_rows`: where T(r) is measured at start-up
+    for the budget policy (B sequences x Q rows fall between them)."""
+    return [q for q in VERIFY_BUCKETS if q < max_rows] + [max_rows]
 
 
 class QueueFull(RuntimeError):
@@ -103,6 +110,7 @@ class _Sequence:
     features: list[torch.Tensor] = field(default_factory=list)  # [1, n, F] not yet given to the drafter
     drafting: bool = False  # the drafter holds a context cache for this sequence (set once prefilled)
     rounds: list[RoundStats] = field(default_factory=list)
+    estimate: SequenceEstimate | None = None  # budget "auto": what the policy knows of this sequence
     sent: int = 0  # output tokens already emitted
     prefill_s: float = 0.0
     decode_started: float = 0.0
@@ -128,6 +136,7 @@ class Scheduler:
         budget: Budget = 0,
         limits: BatchLimits = BatchLimits(),
         decode: Callable[[list[int]], str] | None = None,
+        policy: BudgetPolicy | None = None,  # budget "auto" (workers.policy); a fresh one by default
     ):
         if limits.max_num_seqs > limits.max_step_tokens:
             raise ValueError(
@@ -137,6 +146,7 @@ class Scheduler:
         self.target, self.drafter = target, drafter
         self.limits, self.decode = limits, decode
         self.budget = check_budget(budget, drafter is not None)
+        self.policy = policy or BudgetPolicy()
         self.pool = PageAllocator(limits.kv_cache_tokens, limits.kv_page_tokens)  # the storage: the target's
         self.target.allocate(self.pool.num_pages, self.pool.page)
         self.waiting: deque[_Sequence] = deque()
@@ -149,10 +159,10 @@ class Scheduler:
 
     @classmethod
     def local(cls, model, drafter=None, budget: Budget = 0, limits: BatchLimits = BatchLimits(),
-              decode: Callable[[list[int]], str] | None = None) -> "Scheduler":
+              decode: Callable[[list[int]], str] | None = None, policy: BudgetPolicy | None = None) -> "Scheduler":
         """Over a TargetModel and an optional Proposer (workers.drafter) in this process."""
         return cls(LocalBatchTarget(model), LocalBatchDrafter(drafter) if drafter is not None else None,
-                   budget, limits, decode)
+                   budget, limits, decode, policy)
 
     # --- the requests' side ---------------------------------------------------------------------
 
@@ -175,6 +185,8 @@ class Scheduler:
         if held >= self.limits.max_num_seqs + self.limits.max_waiting:
             raise QueueFull(f"{self.limits.max_num_seqs} requests run and {self.limits.max_waiting} wait already")
         seq = _Sequence(self._next_id, request, budget, draw_seed(request.sampling), time.perf_counter(), list(request.prompt))
+        if budget == "auto":
+            seq.estimate = self.policy.sequence()
         self._next_id += 1
         self._arrivals.append(seq)
         return seq.id
@@ -285,17 +297,30 @@ class Scheduler:
         return tuple(self.drafter.target_layer_ids) if seq.budget != 0 else ()
 
     def _nodes(self, budget: Budget) -> int:
-        """Drafted nodes a budget asks for (a chain: one per drafted depth)."""
+        """Drafted nodes a budget asks for (a chain: one per drafted depth; auto: the most the
+        policy may grant)."""
+        if budget == "auto":
+            return self.policy.cap if self.drafter is not None else 0
         return tree_rows(budget, self.drafter.block_size if self.drafter is not None else 1) - 1
 
     def _decode(self) -> list[_Sequence]:
         rows = [s for s in self.running if s.prefilled and s.finish_reason is None]
         if not rows:
             return []
-        # 4. one drafter pass for every drafting sequence; one tree each, at its granted budget
+        # 4. one drafter pass for every drafting sequence. Fixed budgets ask for their nodes (cut
+        #    to the step's row limit, `grant`); the policy plans which auto sequences draft, and
+        #    how wide, then chooses the step's Q from what they drafted.
         t0 = time.perf_counter()
-        granted, _ = grant([self._nodes(s.budget) for s in rows], self.limits)
-        drafting = [b for b, (seq, nodes) in enumerate(zip(rows, granted)) if nodes and seq.drafting]
+        auto = [b for b, s in enumerate(rows) if s.budget == "auto" and s.drafting]
+        granted, q_max = grant([0 if s.budget == "auto" else self._nodes(s.budget) for s in rows], self.limits)
+        fixed = [b for b, (seq, nodes) in enumerate(zip(rows, granted)) if nodes and seq.drafting]
+        q_floor = bucket(1 + max(granted))
+        buckets = [q for q in VERIFY_BUCKETS if q_floor <= q <= q_max and q - 1 <= self.policy.cap] or [q_floor]
+        plan = self.policy.plan(len(rows), len(fixed), buckets, [rows[b].estimate for b in auto])
+        auto = [b for b, drafts in zip(auto, plan) if drafts]
+        for b in auto:
+            granted[b] = buckets[-1] - 1
+        drafting = sorted(fixed + auto)
         candidates = {}
         if drafting:
             proposals = self.drafter.propose(DraftRows(
@@ -311,10 +336,16 @@ class Scheduler:
         t1 = time.perf_counter()
         trees = [grow_tree(seq.output[-1], candidates[b], granted[b]) if b in candidates else Tree.root_only(seq.output[-1])
                  for b, seq in enumerate(rows)]
+        gains = {b: self.policy.gains(trees[b], rows[b].estimate, buckets) for b in auto}
+        if auto:  # the policy's Q: its auto trees are the best-first prefixes that fill it
+            decision = self.policy.choose(len(rows), buckets, list(gains.values()), t1 - t0)
+            for b in auto:
+                granted[b] = decision.q - 1
+                trees[b] = trees[b].prefix(granted[b])
         draft_s = [(t1 - t0) / len(drafting) if b in candidates else 0.0 for b in range(len(rows))]
         tree_s = time.perf_counter() - t1
         q_len = bucket(max(t.size for t in trees))
-        rows, trees, draft_s, granted = self._reserve(rows, trees, draft_s, granted, q_len)
+        rows, trees, draft_s, granted, gains = self._reserve(rows, trees, draft_s, granted, gains, q_len)
         if not rows:
             return []
 
@@ -358,12 +389,21 @@ class Scheduler:
             seq.output.extend(tree.tokens[path[1:]].tolist() + [bonus[b]])
             seq.finish_reason, seq.text = check_stop(seq.request, seq.output, self.decode)
             per_depth = tuple(torch.bincount(tree.depths)[1:].tolist())
-            granted_budget = "chain" if seq.budget == "chain" and granted[b] == self._nodes("chain") else granted[b]
+            predicted = None
+            if seq.budget == "auto" and seq.estimate is not None:
+                predicted = self.policy.observe_round(seq.estimate, tree, gains.get(b), n - 1)
+                granted_budget = granted[b]
+            elif seq.budget == "chain" and granted[b] == self._nodes("chain"):
+                granted_budget = "chain"
+            else:
+                granted_budget = granted[b]
             seq.rounds.append(RoundStats(tree.size, n - 1, draft_s[b], tree_s, t3 - t2, t4 - t3, per_depth,
-                                         budget=granted_budget))
+                                         budget=granted_budget, predicted=predicted))
+        t5 = time.perf_counter()
+        self.policy.observe_step(len(rows), q_len, t3 - t2, len(drafting), t1 - t0, (t5 - t0) - (t3 - t2) - (t1 - t0))
         return rows
 
-    def _reserve(self, rows, trees, draft_s, granted, q_len):
+    def _reserve(self, rows, trees, draft_s, granted, gains, q_len):
         """Grows every row's pages to hold its verify block (positions length ... + Q - 1),
         preempting the latest-admitted sequences when the pool runs out."""
         for seq in list(rows):
@@ -374,7 +414,8 @@ class Scheduler:
             except PoolFull:
                 pass  # it ended ("length") and is emitted as finished
         keep = [i for i, s in enumerate(rows) if s in self.running and s.finish_reason is None]
-        return [rows[i] for i in keep], [trees[i] for i in keep], [draft_s[i] for i in keep], [granted[i] for i in keep]
+        return ([rows[i] for i in keep], [trees[i] for i in keep], [draft_s[i] for i in keep],
+                [granted[i] for i in keep], {new: gains[i] for new, i in enumerate(keep) if i in gains})
 
     def _make_room(self, seq: _Sequence, positions: int) -> None:
         """Preempts the latest-admitted other sequences until `seq` can hold `positions`; a

@@ -55,8 +55,12 @@ class SoloLoop:
         self.budget = self.check_budget(budget)
 
     def check_budget(self, budget: Budget) -> Budget:
-        """Returns `budget` if this Coordinator can run it, else raises ValueError."""
-        return check_budget(budget, has_drafter=self.drafter is not None)
+        """Returns `budget` if this loop can run it, else raises ValueError. "auto" is the batch
+        scheduler's policy (workers.policy); this loop runs fixed budgets."""
+        budget = check_budget(budget, has_drafter=self.drafter is not None)
+        if budget == "auto":
+            raise ValueError("budget 'auto' runs in the batch scheduler (workers.scheduler); give a fixed budget")
+        return budget
 
     @classmethod
     def local(cls, model, drafter=None, budget: Budget = 0, static_shapes: bool = True,

@@ -1,0 +1,196 @@
+"""`budget: auto` (workers.policy): its arithmetic on hand-counted cases, its decisions under
+costs that favour or forbid trees, and that trees whose budget changes every round leave every
+token the target's own (greedy and seeded; tiny float64 targets, so equality is exact)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ddtree.config import SamplingParams
+from ddtree.kernels.tree import build_tree
+from ddtree.workers.drafter import DFlashDrafter
+from ddtree.workers.policy import (FIRST_PROBE, Acceptance, BudgetPolicy, CostCurve, depth_mass,
+                                   expected_accepted)
+from ddtree.workers.requests import Request
+from ddtree.workers.scheduler import BatchLimits, Scheduler
+from ddtree.workers.solo import SoloLoop
+
+from .drafters import OracleDrafter
+from .helpers import hf_greedy
+
+
+def test_cost_curve_interpolates_extrapolates_and_learns():
+    curve = CostCurve({1: 1.0, 9: 3.0})
+    assert curve.predict(1) == 1.0 and curve.predict(0) == 1.0
+    assert curve.predict(5) == pytest.approx(2.0)  # halfway between the points
+    assert curve.predict(18) == pytest.approx(6.0)  # past the last point: proportional to the size
+    curve.observe(9, 4.0)  # a measured point moves by EMA towards what was measured
+    assert 3.0 < curve.points[9] < 4.0
+    curve.observe(100, 50.0)  # far from every point: a point of its own
+    assert curve.points[100] == 50.0
+    before = curve.points[100]
+    curve.observe(90, 90.0)  # near a point: scales it towards the measurement
+    assert curve.points[100] > before and 90 not in curve.points
+    assert not CostCurve() and CostCurve().predict(7) == 0.0
+
+
+def worked_tree():
+    """kernels.tree.build_tree's worked example: root 7; nodes (0) p=.6 at depth 1, (0,1) p=.48
+    at depth 2, (1) p=.3 at depth 1."""
+    logprobs = torch.log(torch.tensor([[0.6, 0.3, 0.1], [0.1, 0.8, 0.1]], dtype=torch.float64))
+    return build_tree(7, logprobs, budget=3)
+
+
+def test_expected_accepted_tokens_of_the_worked_tree():
+    tree = worked_tree()
+    mass = depth_mass(tree, [0, 1, 2, 3, 10])
+    expected = torch.tensor([[0, 0], [0.6, 0], [0.6, 0.48], [0.9, 0.48], [0.9, 0.48]], dtype=torch.float64)
+    torch.testing.assert_close(mass, expected)
+    # a calibrated drafter: reach depth 1 with the depth-1 mass, depth 2 with the depth-2 mass
+    assert expected_accepted(mass, torch.ones(2, dtype=torch.float64)).tolist() == pytest.approx(
+        [0, 0.6, 1.08, 1.38, 1.38])
+    # the drafter is right half as often as it believes at depth 1: depth 2 cannot be reached
+    # more often than depth 1 (.45), so 3 nodes expect .45 + .45
+    assert float(expected_accepted(mass[3], torch.tensor([0.5, 1.0], dtype=torch.float64))) == pytest.approx(0.9)
+    # a factor never pushes a reach past certainty
+    assert float(expected_accepted(mass[1], torch.tensor([3.0, 1.0], dtype=torch.float64))) == pytest.approx(1.0)
+
+
+def test_acceptance_factor_is_realized_over_predicted_reaches():
+    a = Acceptance(decay=1.0)
+    assert a.factor(1) == 1.0  # nothing seen: trust the drafter
+    a.observe([1.0, 0.5], accepted=0)
+    a.observe([1.0, 0.5], accepted=1)
+    # depth 1: 1 reach of 2 predicted, plus the prior's 1 of 1 -> 2 / 3; depth 2: 0 of 1 (+1/1) -> 1/2
+    assert a.factor(1) == pytest.approx(2 / 3) and a.factor(2) == pytest.approx(1 / 2)
+    seq = Acceptance(decay=1.0, prior=a)
+    assert seq.factor(2) == pytest.approx(1 / 2)  # a new sequence starts from the batch's factor
+
+
+def test_a_smaller_budget_grows_the_prefix_of_the_larger_tree():
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        logprobs = torch.log_softmax(torch.randn(5, 11, generator=g, dtype=torch.float64) * 2, -1)
+        big = build_tree(1, logprobs, budget=40)
+        for n in (0, 1, 3, 8, 17, 40):
+            small, cut = build_tree(1, logprobs, budget=n), big.prefix(n)
+            for field in ("tokens", "parents", "depths", "scores"):
+                assert torch.equal(getattr(small, field), getattr(cut, field)), (n, field)
+
+
+def test_choose_takes_the_q_of_the_highest_predicted_rate():
+    # T(r) = 10 + r ms; gains 0 / .9 / 1.5 / 2.0 / 2.2 at Q = 1 / 2 / 3 / 5 / 9:
+    # rates 1/11, 1.9/12, 2.5/13, 3/15, 3.2/19 -> Q = 5
+    policy = BudgetPolicy(CostCurve({1: 0.011, 1000: 1.010}))
+    gains = {1: 0.0, 2: 0.9, 3: 1.5, 5: 2.0, 9: 2.2}
+    decision = policy.choose(1, [1, 2, 3, 5, 9], [gains], draft_s=0.0)
+    assert decision.q == 5 and decision.predicted == 2.0 and decision.rate == pytest.approx(3 / 0.015)
+    # the same gains on a machine where rows cost nothing up to 64 (a GPU below its knee)
+    flat = BudgetPolicy(CostCurve({1: 0.010, 64: 0.010}))
+    assert flat.choose(1, [1, 2, 3, 5, 9], [gains], draft_s=0.0).q == 9
+
+
+def test_plan_probes_new_sequences_and_backs_off_on_idle_ones():
+    policy = BudgetPolicy(CostCurve({1: 0.01, 2: 0.02, 4: 0.035}))  # an extra row costs most of a step
+    estimates = [policy.sequence(), policy.sequence()]
+    assert policy.plan(2, 0, [1, 2], estimates) == [True, True]  # nothing known yet: both draft
+    estimates[0].gain = {1: 0.0, 2: 0.1}  # a poor drafter for this sequence
+    estimates[1].gain = {1: 0.0, 2: 0.95}
+    drafted = []
+    for _ in range(FIRST_PROBE + 2 * FIRST_PROBE + 2):
+        drafted.append(policy.plan(2, 0, [1, 2], estimates))
+    # neither pays: 2 + 1.05 tokens over twice the time; the poor one is probed after 4 idle
+    # steps, then after 8 (the interval doubles)
+    assert [d[0] for d in drafted] == ([False] * FIRST_PROBE + [True] + [False] * 2 * FIRST_PROBE + [True])
+    # where even the best gains seen lately could not pay, nothing is probed
+    policy.hope = {1: 0.0, 2: 0.5}
+    fresh = [policy.sequence(), policy.sequence()]
+    assert policy.plan(2, 0, [1, 2], fresh) == [False, False]
+    policy.hope = {1: 0.0, 2: 1.0}  # ... and where they could, the new ones are
+    assert policy.plan(2, 0, [1, 2], fresh) == [True, True]
+    cheap = BudgetPolicy(CostCurve({1: 0.01, 4: 0.0101}))  # rows nearly free: the good one drafts
+    estimates = [cheap.sequence(), cheap.sequence()]
+    estimates[0].gain, estimates[1].gain = {1: 0.0, 2: 0.0}, {1: 0.0, 2: 0.95}
+    assert cheap.plan(2, 0, [1, 2], estimates) == [False, True]
+
+
+class FixedCosts(BudgetPolicy):
+    """The policy over a cost curve the test sets, not learned from this machine's timings."""
+
+    def observe_step(self, *args) -> None:
+        pass
+
+
+class RandomQ(BudgetPolicy):
+    """Every auto sequence drafts and each step's Q is a random bucket: budgets change every round."""
+
+    def __init__(self, seed: int):
+        super().__init__(CostCurve({1: 1.0}))
+        self.g = torch.Generator().manual_seed(seed)
+
+    def plan(self, batch, fixed_drafting, buckets, estimates):
+        return [True] * len(estimates)
+
+    def choose(self, batch, buckets, gains, draft_s):
+        decision = super().choose(batch, buckets, gains, draft_s)
+        decision.q = buckets[int(torch.randint(len(buckets), (1,), generator=self.g))]
+        return decision
+
+
+@pytest.mark.parametrize("drafter_kind", ["untrained", "oracle"])
+def test_budgets_changing_every_round_leave_every_token_the_targets(tiny_checkpoint, drafter_kind):
+    """Greedy and seeded requests under budget auto, with the step's Q drawn at random every
+    round and fixed-budget requests in the same batch: each gets its plain decoding's tokens."""
+    hf, target, _ = tiny_checkpoint("llama", 97)
+    prompts = [[5, 6, 7], [1], [9, 3, 3, 2, 8], [4, 4]]
+    if drafter_kind == "oracle":  # accepts often, so the random Q changes what each round commits
+        drafter = OracleDrafter(prompts[0] + hf_greedy(hf, prompts[0], 48), 97, 8, accuracy=0.8)
+    else:
+        drafter = DFlashDrafter.untrained(target, block_size=8, seed=7)
+    requests = []
+    for i, prompt in enumerate(prompts * 2):
+        sampling = SamplingParams(temperature=0.9, seed=40 + i) if i >= len(prompts) else SamplingParams()
+        requests.append(Request(prompt, 20, sampling=sampling, budget="auto" if i % 4 != 3 else 8))
+    plain = [SoloLoop.local(target, drafter).generate([Request(r.prompt, 20, sampling=r.sampling, budget=0)])[0].tokens
+             for r in requests]
+    for r, tokens in zip(requests, plain):
+        if r.sampling.temperature == 0:
+            assert tokens == hf_greedy(hf, r.prompt, 20)
+    scheduler = Scheduler.local(target, drafter, "auto", BatchLimits(max_num_seqs=8, max_step_tokens=8 * 33),
+                                policy=RandomQ(seed=1))
+    results = scheduler.generate(requests)
+    for i, (result, tokens) in enumerate(zip(results, plain)):
+        assert result.tokens == tokens, f"request {i} ({requests[i].sampling}) differs from plain decoding"
+    granted = {r.budget for result, req in zip(results, requests) if req.budget == "auto" for r in result.rounds}
+    assert len(granted) >= 3, f"the rounds' budgets changed: {granted}"
+    if drafter_kind == "oracle":
+        assert results[0].tau > 1.5, "the oracle's trees were accepted"
+
+
+def test_policy_grants_trees_where_rows_are_cheap_and_none_where_they_are_not(tiny_checkpoint):
+    """The same requests and a perfect drafter, on two machines the policy is told about: where
+    verify rows cost nothing (a GPU below its knee) it grants the widest trees and accepts whole
+    blocks; where each row costs a plain step, trees never pay and it decodes plainly after the
+    first look. The tokens are the target's either way."""
+    hf, target, _ = tiny_checkpoint("llama", 97)
+    prompt = [5, 6, 7]
+    reference = hf_greedy(hf, prompt, 40)
+    drafter = OracleDrafter(prompt + reference + [0] * 16, 97, 8, accuracy=1.0)
+    limits = BatchLimits(max_num_seqs=2, max_step_tokens=2 * 65)
+    runs = {}
+    for name, curve in [("flat", {1: 0.01, 130: 0.0101}), ("steep", {1: 0.01, 130: 1.30})]:
+        scheduler = Scheduler.local(target, drafter, "auto", limits, policy=FixedCosts(CostCurve(curve)))
+        runs[name] = scheduler.generate([Request(prompt, 40), Request(prompt, 40)])
+        for result in runs[name]:
+            assert result.tokens == reference
+    flat_budgets = [r.budget for r in runs["flat"][0].rounds]
+    steep_budgets = [r.budget for r in runs["steep"][0].rounds]
+    assert max(flat_budgets) >= 8 and runs["flat"][0].tau > 5
+    assert steep_budgets.count(0) >= len(steep_budgets) - 2, steep_budgets  # probes aside: plain
+    # the predictions were the drafter's own (certain) probabilities, and it was always right
+    predicted = sum(r.predicted for r in runs["flat"][0].rounds)
+    accepted = sum(r.accepted for r in runs["flat"][0].rounds)
+    assert math.isclose(predicted, accepted, rel_tol=0.15), (predicted, accepted)

@@ -1,0 +1,314 @@
+"""`budget: auto`: each step, the tree each sequence gets is the one that maximizes the batch's
+expected output tokens per second, from costs measured on the running machine and each
+sequence's own acceptance.
+
+The model (README, "How budget: auto chooses"):
+
+    rate(Q, S) = (B + sum_{s in S} E_s(Q - 1)) / (T(B * Q) + D(|S|) + O(B))
+
+- B sequences decode this step; every one verifies a block of Q rows (a bucket: the step pads
+  every tree to the same Q, so within one step a sequence's nodes up to Q - 1 cost no more rows);
+  S are the sequences that draft, the others verify their root alone.
+- T(r): seconds of one target forward over r rows in all (`CostCurve`), calibrated over row
+  counts at start-up (ddtree.calibrate) and refreshed from every step's own timing.
+- D(n): the drafter's pass over n sequences; O(B): the rest of a step (trees, walk, commit);
+  both learned from the live steps.
+- E_s(n): the expected accepted tokens of sequence s's best-first tree of n nodes. DDTree grows
+  the tree in order of the drafter's path probabilities p_i, so with a calibrated drafter the
+  probability that the target's own path reaches depth d is the mass m_d(n) of the tree's first n
+  nodes at depth d. The drafter is not calibrated, and differently so per sequence (math vs
+  chat), so each sequence keeps a factor per depth, c_d = realized / predicted reaches of depth d
+  over its recent rounds (shrunk to the batch-wide factor while it has few), and
+      E_s(n) = sum_d min(1, c_d * m_d(n))   (made non-increasing in d: a path reaches d only via d-1).
+
+A step decides twice: before drafting, from each sequence's recent E_s, which sequences draft
+(`plan`); after drafting, from this step's exact E_s, which Q (`choose`). Q = 1 is plain decoding.
+A sequence the plan leaves out is probed (drafts anyway: one drafter row, and the step's Q still
+chosen from what it drafted) at its first step, then after 4 idle steps, 8, 16, ... 64, so a
+new sequence is learnt and one whose acceptance collapsed is re-probed cheaply -- but only while
+the best gains seen lately (`hope`: any sequence's, fading) would make drafting it pay at this
+step's costs: under a load where no tree can pay (many streams on a CPU) nothing is probed.
+Sequences with a fixed budget keep it; Q never goes below what they need.
+
+The policy only chooses tree shapes, never tokens: output is the target's own at every Q.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import GREEDY
+from ..kernels.tree import Tree
+from .batch_backends import TargetBatch
+
+EMA = 0.2  # weight of a new observation in the cost curves and in a sequence's gain estimates
+SEQ_DECAY = 0.9  # a sequence's acceptance counts fade by this per round (it adapts within ~10 rounds)
+BATCH_DECAY = 0.995  # the batch-wide counts fade slower
+PRIOR_WEIGHT = 1.0  # predicted reaches of the batch-wide factor a sequence starts from
+HOPE_DECAY = 0.99  # per step, the best gains seen fade by this (half-life ~70 steps)
+FIRST_PROBE = 4  # a sequence that does not draft drafts anyway after this many steps ...
+LAST_PROBE = 64  # ... doubling each time up to this: acceptance that collapsed is re-probed cheaply
+CALIBRATION_CONTEXT = 64  # committed tokens before the rows `measure_step_cost` times
+
+
+class CostCurve:
+    """Seconds of one operation against its size (rows, sequences), as measured points: a new
+    size far from every point becomes a point; a size near points scales them towards what it
+    measured. Between points: linear; below the first: the first; above the last: proportional
+    to the size (the pessimistic guess for a size never seen)."""
+
+    def __init__(self, points: dict[int, float] | None = None):
+        self.points: dict[int, float] = dict(sorted((points or {}).items()))
+
+    def __bool__(self) -> bool:
+        return bool(self.points)
+
+    def predict(self, size: int) -> float:
+        if not self.points:
+            return 0.0
+        sizes = list(self.points)
+        if size <= sizes[0]:
+            return self.points[sizes[0]]
+        if size >= sizes[-1]:
+            return self.points[sizes[-1]] * size / sizes[-1]
+        for lo, hi in zip(sizes, sizes[1:]):
+            if lo <= size <= hi:
+                w = (size - lo) / (hi - lo)
+                return (1 - w) * self.points[lo] + w * self.points[hi]
+        raise AssertionError("unreachable")
+
+    def observe(self, size: int, seconds: float) -> None:
+        if size in self.points:
+            self.points[size] += EMA * (seconds - self.points[size])
+            return
+        near = [p for p in self.points if p / 1.5 <= size <= p * 1.5]
+        if not near:
+            self.points[size] = seconds
+            self.points = dict(sorted(self.points.items()))
+            return
+        factor = (seconds / max(self.predict(size), 1e-9)) ** EMA
+        for p in near:
+            self.points[p] *= factor
+
+
+@dataclass
+class Acceptance:
+    """Realized against predicted reaches of each draft depth (module docstring: c_d)."""
+
+    decay: float
+    prior: "Acceptance | None" = None
+    hits: list[float] = field(default_factory=list)  # [depth - 1] realized reaches, faded
+    mass: list[float] = field(default_factory=list)  # [depth - 1] predicted reaches, faded
+
+    def factor(self, depth: int) -> float:
+        base = self.prior.factor(depth) if self.prior is not None else 1.0
+        i = depth - 1
+        hits = self.hits[i] if i < len(self.hits) else 0.0
+        mass = self.mass[i] if i < len(self.mass) else 0.0
+        return (hits + PRIOR_WEIGHT * base) / (mass + PRIOR_WEIGHT)
+
+    def factors(self, depths: int) -> torch.Tensor:
+        return torch.tensor([self.factor(d) for d in range(1, depths + 1)], dtype=torch.float64)
+
+    def observe(self, reach: list[float], accepted: int) -> None:
+        """One round: `reach[d - 1]` the predicted reach of depth d (before the factors), and
+        the drafted tokens the target accepted."""
+        grow = len(reach) - len(self.hits)
+        if grow > 0:
+            self.hits += [0.0] * grow
+            self.mass += [0.0] * grow
+        for i in range(len(self.hits)):
+            self.hits[i] *= self.decay
+            self.mass[i] *= self.decay
+        for i, m in enumerate(reach):
+            self.mass[i] += m
+            self.hits[i] += 1.0 if accepted > i else 0.0
+
+
+def depth_mass(tree: Tree, budgets: list[int]) -> torch.Tensor:
+    """[len(budgets), depth] the drafter's probability mass of the tree's first n nodes at each
+    depth, for n in `budgets` (a best-first tree: `Tree.scores` set)."""
+    depths = int(tree.depths.max()) if tree.size > 1 else 0
+    if depths == 0:
+        return torch.zeros(len(budgets), 1, dtype=torch.float64)
+    p = tree.scores[1:].exp()
+    onehot = torch.zeros(tree.size - 1, depths, dtype=torch.float64)
+    onehot[torch.arange(tree.size - 1), tree.depths[1:] - 1] = p
+    cumulative = torch.cat([torch.zeros(1, depths, dtype=torch.float64), onehot.cumsum(0)])
+    return cumulative[torch.tensor([min(n, tree.size - 1) for n in budgets])]
+
+
+def expected_accepted(mass: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
+    """[...] expected accepted tokens from [..., depth] masses and the factors per depth."""
+    depths = mass.shape[-1]
+    f = factors[:depths] if factors.shape[0] >= depths else torch.cat(
+        [factors, factors.new_ones(depths - factors.shape[0])])
+    reach = (mass * f).clamp(max=1.0).cummin(dim=-1).values
+    return reach.sum(-1)
+
+
+@dataclass
+class SequenceEstimate:
+    """What the policy knows of one sequence: its acceptance factors, its recent expected
+    accepted tokens per bucket Q (None until it drafted once), and when it is probed next."""
+
+    acceptance: Acceptance
+    gain: dict[int, float] | None = None
+    idle: int = 0  # steps since it last drafted
+    probe_after: int = FIRST_PROBE
+
+
+@dataclass
+class Decision:
+    q: int  # the step's verify rows per sequence
+    predicted: float  # expected accepted tokens of the whole step
+    rate: float  # predicted output tokens per second
+
+
+class BudgetPolicy:
+    """The costs and acceptance estimates of one scheduler, and its two decisions per step."""
+
+    def __init__(self, step_cost: CostCurve | None = None, cap: int = 64):
+        self.cap = cap  # the most drafted nodes a sequence may be granted
+        self.verify = step_cost or CostCurve()
+        self.draft = CostCurve()
+        self.other = CostCurve()
+        self.batch = Acceptance(BATCH_DECAY)
+        self.hope: dict[int, float] | None = None  # per Q, the best gains seen lately (fading)
+        self.predicted = 0.0  # expected accepted tokens of the policy's rounds, summed
+        self.realized = 0  # what those rounds accepted
+        self.steps = 0
+
+    def sequence(self) -> SequenceEstimate:
+        return SequenceEstimate(Acceptance(SEQ_DECAY, prior=self.batch))
+
+    def _time(self, batch: int, q: int, drafting: int) -> float:
+        return self.verify.predict(batch * q) + (self.draft.predict(drafting) if drafting else 0.0) + \
+            self.other.predict(batch)
+
+    def plan(self, batch: int, fixed_drafting: int, buckets: list[int], estimates: list[SequenceEstimate]) -> list[bool]:
+        """Before drafting: which of the auto sequences (`estimates`) draft this step: those of
+        the (Q, set) with the highest predicted rate from their recent gains, and the probes."""
+        due = {i for i, e in enumerate(estimates) if e.gain is None or e.idle >= e.probe_after}
+        chosen = set(self._best_set(batch, fixed_drafting, buckets, {
+            i: e.gain for i, e in enumerate(estimates) if i not in due}))
+        if due and self.hope is not None:  # probe only those that could pay, were they the best seen
+            hopeful = {i: (self.hope if i in due else e.gain) for i, e in enumerate(estimates)}
+            due &= set(self._best_set(batch, fixed_drafting, buckets, hopeful))
+        for i, e in enumerate(estimates):
+            if i in chosen:
+                e.idle, e.probe_after = 0, FIRST_PROBE
+            elif i in due:
+                e.idle, e.probe_after = 0, (e.probe_after if e.gain is None else min(2 * e.probe_after, LAST_PROBE))
+            else:
+                e.idle += 1
+        return [i in chosen or i in due for i in range(len(estimates))]
+
+    def _best_set(self, batch: int, fixed_drafting: int, buckets: list[int], gains: dict[int, dict[int, float]]) -> list[int]:
+        """The sequences (keys of `gains`) whose drafting gives the highest predicted rate at
+        the best Q: for each Q, the k with the largest gains, for every k."""
+        best, best_rate = [], -1.0
+        for q in buckets:
+            gain = {i: g.get(q, 0.0) for i, g in gains.items()}
+            order = sorted(gain, key=lambda i: -gain[i])
+            tokens = float(batch)
+            for k in range(len(order) + 1):
+                if k:
+                    tokens += gain[order[k - 1]]
+                if q == 1 and k:
+                    break  # a root-only tree gains nothing from a draft
+                rate = tokens / max(self._time(batch, q, k + fixed_drafting), 1e-9)
+                if rate > best_rate:
+                    best, best_rate = order[:k], rate
+        return best
+
+    def gains(self, tree: Tree, estimate: SequenceEstimate, buckets: list[int]) -> dict[int, float]:
+        """This step's expected accepted tokens of `tree`'s first Q - 1 nodes, per bucket Q."""
+        mass = depth_mass(tree, [q - 1 for q in buckets])
+        e = expected_accepted(mass, estimate.acceptance.factors(mass.shape[-1]))
+        return dict(zip(buckets, e.tolist()))
+
+    def choose(self, batch: int, buckets: list[int], gains: list[dict[int, float]], draft_s: float) -> Decision:
+        """After drafting: the Q of the highest predicted rate, from each drafted auto
+        sequence's gains this step (`gains`) and the draft time already spent."""
+        best = None
+        for q in buckets:
+            predicted = sum(g[q] for g in gains)
+            seconds = self.verify.predict(batch * q) + draft_s + self.other.predict(batch)
+            rate = (batch + predicted) / max(seconds, 1e-9)
+            if best is None or rate > best.rate:
+                best = Decision(q, predicted, rate)
+        return best
+
+    def observe_round(self, estimate: SequenceEstimate, tree: Tree, gains: dict[int, float] | None,
+                      accepted: int) -> float:
+        """One auto sequence's round: its tree as verified, this step's gains of its full
+        tree (None when it did not draft), what the target accepted. Returns the round's
+        predicted accepted tokens (what the acceptance model said before seeing it)."""
+        if gains is not None:  # it drafted: its gains of this step's tree, whatever Q was chosen
+            old = estimate.gain or {}
+            estimate.gain = old | {q: old[q] + EMA * (g - old[q]) if q in old else g for q, g in gains.items()}
+            hope = self.hope or {}
+            self.hope = hope | {q: max(hope.get(q, 0.0), g) for q, g in estimate.gain.items()}
+        if tree.size == 1:
+            return 0.0
+        (mass,) = depth_mass(tree, [tree.size - 1])
+        predicted = float(expected_accepted(mass, estimate.acceptance.factors(mass.shape[0])))
+        reach = mass.tolist()
+        estimate.acceptance.observe(reach, accepted)
+        self.batch.observe(reach, accepted)
+        self.predicted += predicted
+        self.realized += accepted
+        return predicted
+
+    def observe_step(self, batch: int, q: int, verify_s: float, drafting: int, draft_s: float, other_s: float) -> None:
+        """The step's measured times: the target's forward over batch x q rows, the drafter's
+        pass over `drafting` sequences, the rest."""
+        self.steps += 1
+        if self.hope is not None:
+            self.hope = {q: HOPE_DECAY * h for q, h in self.hope.items()}
+        if math.isfinite(verify_s) and verify_s > 0:
+            self.verify.observe(batch * q, verify_s)
+        if drafting and draft_s > 0:
+            self.draft.observe(drafting, draft_s)
+        if other_s > 0:
+            self.other.observe(batch, other_s)
+
+    def stats(self) -> dict:
+        return {"steps": self.steps, "predicted_accepted": self.predicted, "realized_accepted": self.realized,
+                "step_cost_s": dict(self.verify.points), "draft_cost_s": dict(self.draft.points)}
+
+
+def measure_step_cost(scheduler, counts: list[int], repeats: int = 3) -> dict[int, float]:
+    """Median seconds of one target forward over r rows after CALIBRATION_CONTEXT committed
+    tokens, per r in `counts`, through the scheduler's target backend and KV pool (its pages
+    go back after). What T(r) costs does not depend on the token values."""
+    target, pool = scheduler.target, scheduler.pool
+    capture = tuple(scheduler.drafter.target_layer_ids) if scheduler.drafter is not None else ()
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for r in counts:
+        pages: list[int] = []
+        pool.grow(pages, CALIBRATION_CONTEXT + r)
+        try:
+            tokens = torch.randint(0, 32, (1, CALIBRATION_CONTEXT + r), generator=g)
+            batch = lambda lo, hi: TargetBatch(  # noqa: E731 -- rows [lo, hi) after lo committed
+                tokens=tokens[:, lo:hi], positions=torch.arange(lo, hi)[None],
+                mask=torch.ones(hi - lo, hi - lo, dtype=torch.bool).tril()[None], tables=[pages], lengths=[lo],
+                capture=capture, logits_to_keep=0, sampling=[GREEDY], seeds=[None],
+                draw_positions=torch.arange(lo + 1, hi + 1)[None])
+            target.forward(batch(0, CALIBRATION_CONTEXT))
+            times = []
+            for _ in range(repeats + 1):
+                start = time.perf_counter()
+                target.forward(batch(CALIBRATION_CONTEXT, CALIBRATION_CONTEXT + r))
+                times.append(time.perf_counter() - start)
+            out[r] = statistics.median(times[1:])  # the first is a warm-up
+        finally:
+            pool.release(pages)
+    return out
