@@ -74,6 +74,21 @@ PANELS: tuple[PanelSpec, ...] = (
           "depth {{depth}}"),),
     ),
     PanelSpec(
+        "Granted budget", "short",
+        "Drafted nodes granted per round, p50 / p90 / p99: 0 is plain decoding. Under budget auto "
+        "the policy grants what maximizes the batch's tokens/s for this step's load.",
+        _quantiles("ray_ddtree_granted_budget"),
+    ),
+    PanelSpec(
+        "Budget policy: predicted vs realized acceptance", "short",
+        "Budget auto: drafted tokens per second the policy expected to be accepted, and those "
+        "accepted; their ratio far from 1 means its acceptance model is off.",
+        ((_rate("ray_ddtree_policy_predicted_accepted_tokens_total"), "predicted"),
+         (_rate("ray_ddtree_policy_accepted_tokens_total"), "realized"),
+         (f"{_rate('ray_ddtree_policy_predicted_accepted_tokens_total')} / "
+          f"{_rate('ray_ddtree_policy_accepted_tokens_total')}", "predicted / realized")),
+    ),
+    PanelSpec(
         "Round time by phase", "s",
         "Mean seconds per round in each phase: draft (drafter pass), tree (build), verify "
         "(target pass over the tree), commit (walk, KV compaction, stop checks).",

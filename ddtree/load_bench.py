@@ -30,6 +30,9 @@ class LoadRow:
     round_tokens: int = 0
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
+    granted: dict = field(default_factory=dict)  # in process: granted budget -> rounds
+    predicted: float = 0.0  # in process, budget auto: accepted tokens the policy expected ...
+    accepted: int = 0  # ... and what those rounds accepted
 
     @property
     def tokens_per_s(self) -> float:
@@ -42,6 +45,7 @@ class LoadRow:
     def summary(self) -> dict:
         d = asdict(self)
         d.pop("ttft_s"), d.pop("itl_s")
+        d["granted"] = {str(b): n for b, n in self.granted.items()}
         d.update(tokens_per_s=self.tokens_per_s, tau=self.tau,
                  ttft_p50_s=percentile(self.ttft_s, 50), ttft_p99_s=percentile(self.ttft_s, 99),
                  itl_p50_s=percentile(self.itl_s, 50), itl_p99_s=percentile(self.itl_s, 99))
@@ -88,6 +92,11 @@ def run_inprocess(engine, prompts: list[list[int]], budget, concurrency: int, re
                 row.tokens += len(result.tokens)
                 row.rounds += len(result.rounds)
                 row.round_tokens += len(result.tokens) - 1
+                for r in result.rounds:
+                    row.granted[r.budget] = row.granted.get(r.budget, 0) + 1
+                    if r.predicted is not None:
+                        row.predicted += r.predicted
+                        row.accepted += r.accepted
                 if todo:
                     send()
     row.seconds = time.perf_counter() - start

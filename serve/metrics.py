@@ -9,6 +9,8 @@ from ..workers.requests import PHASES as ROUND_PHASES
 
 LATENCY_BOUNDARIES_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 ACCEPTED_BOUNDARIES = [0.5 + i for i in range(32)]  # bucket i holds an accepted length of i
+# granted budgets: 0 (plain), 1, 2, 4, ... (a bucket Q holds Q - 1 drafted nodes)
+BUDGET_BOUNDARIES = [0.5, 1.5, 2.5, 4.5, 8.5, 16.5, 32.5, 64.5, 128.5, 256.5, 512.5, 1024.5]
 # The round phases the step loop times (workers.requests.PHASES but transport, which only the
 # solo loop separates: the step loop's verify time includes any transport).
 PHASES = tuple(p for p in ROUND_PHASES if p != "transport")
@@ -36,6 +38,15 @@ class EngineMetrics:
         self.accepted_length = tagged(metrics.Histogram(
             "ddtree_accepted_length", description="Drafted tokens accepted per round.",
             boundaries=ACCEPTED_BOUNDARIES, tag_keys=("model",)))
+        self.granted = tagged(metrics.Histogram(
+            "ddtree_granted_budget", description="Drafted nodes granted per round (0 = plain decoding; "
+            "a chain counts its depths).", boundaries=BUDGET_BOUNDARIES, tag_keys=("model",)))
+        self.policy_predicted = tagged(metrics.Counter(
+            "ddtree_policy_predicted_accepted_tokens", description="Budget auto: the drafted tokens the "
+            "policy expected its rounds to accept.", tag_keys=("model",)))
+        self.policy_accepted = tagged(metrics.Counter(
+            "ddtree_policy_accepted_tokens", description="Budget auto: the drafted tokens its rounds accepted.",
+            tag_keys=("model",)))
         self.ttft = tagged(metrics.Histogram(
             "ddtree_time_to_first_token_seconds", description="Arrival to first token, seconds.",
             boundaries=LATENCY_BOUNDARIES_S, tag_keys=("model",)))
@@ -77,6 +88,12 @@ class EngineMetrics:
     def round(self, stats) -> None:
         self.rounds.inc()
         self.accepted_length.observe(stats.accepted)
+        self.granted.observe(stats.tree_size - 1 if stats.budget in (None, "chain") else stats.budget)
+        if stats.predicted is not None:  # a round of the budget policy
+            if stats.predicted > 0:
+                self.policy_predicted.inc(stats.predicted)
+            if stats.accepted:
+                self.policy_accepted.inc(stats.accepted)
         for depth, count in enumerate(stats.drafted_per_depth, start=1):
             self.drafted.inc(count, tags={"depth": str(depth)})
             if depth <= stats.accepted:

@@ -263,6 +263,8 @@ def short_load(base: str) -> None:
     accepting = openai.OpenAI(base_url=base + "/accepting/v1", api_key="unused", max_retries=0)
     accepting.chat.completions.create(model="accepting", messages=CHAT_SAMPLE, max_tokens=9, temperature=0,
                                       extra_body={"speculation": {"budget": "chain"}})
+    accepting.chat.completions.create(model="accepting", messages=CHAT_SAMPLE, max_tokens=9, temperature=0,
+                                      extra_body={"speculation": {"budget": "auto"}})  # the policy's panels
     for _ in range(3):  # errors for the error panel
         httpx.post(base + "/v1/chat/completions", json={"model": "nope", "messages": CHAT_SAMPLE}, timeout=60)
 

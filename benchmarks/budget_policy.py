@@ -1,0 +1,108 @@
+"""`budget: auto` against every fixed budget, at several numbers of concurrent streams.
+
+Prompts: the first N of gsm8k-test, humaneval and vicuna-bench (benchmarks/data), interleaved
+(math, code, chat, math, ...), so every table is a mixed workload. For each number of streams
+c, c closed-loop greedy streams run `requests` completions through the engine's step loop
+(ddtree.load_bench.run_inprocess); the budgets run one after another in a rotating order per
+concurrency (so drift on a shared machine does not favour one), in one process, one engine
+(budget auto: the policy keeps what it learned, as a server would).
+
+Reported per table: aggregate tokens/s per budget, auto / best fixed budget, auto / plain,
+auto's granted-budget distribution and predicted vs realized accepted tokens.
+
+    python benchmarks/budget_policy.py [--concurrency 1,4,16,64] [--budgets 0,4,8,16,chain]
+        [--per-file 4] [--max-tokens 64] [--requests-per-stream 2] [--min-requests 12]
+        [--max-requests 64] [--warm-up 12] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from ddtree import load_bench
+from ddtree.bench import read_prompts
+from ddtree.config import ModelPairConfig, parse_budget
+from ddtree.engine import Engine
+
+DATA = Path(__file__).parent / "data"
+FILES = ("gsm8k-test.jsonl", "humaneval.jsonl", "vicuna-bench.jsonl")
+
+
+def mixed_prompts(per_file: int) -> list[str]:
+    sets = [read_prompts(DATA / f, per_file) for f in FILES]
+    return [p for group in zip(*sets) for p in group]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model")
+    parser.add_argument("--concurrency", default="1,4,16,64")
+    parser.add_argument("--budgets", default="0,4,8,16,chain", help="the fixed budgets auto is compared with")
+    parser.add_argument("--per-file", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--requests-per-stream", type=float, default=2.0)
+    parser.add_argument("--min-requests", type=int, default=12)
+    parser.add_argument("--max-requests", type=int, default=64)
+    parser.add_argument("--warm-up", type=int, default=12,
+                        help="auto requests run first, 4 streams, 32 tokens: the policy's state is a running server's")
+    parser.add_argument("--max-step-tokens", type=int, default=1024)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+
+    levels = [int(c) for c in args.concurrency.split(",")]
+    budgets = ["auto"] + [parse_budget(b) for b in args.budgets.split(",")]
+    config = ModelPairConfig(model=args.model, budget="auto", max_num_seqs=max(levels),
+                             max_step_tokens=args.max_step_tokens)
+    started = time.perf_counter()
+    engine = Engine.from_config(config)
+    print(f"engine ready in {time.perf_counter() - started:.1f} s; T(r) ms: "
+          + ", ".join(f"{r}: {1000 * s:.0f}" for r, s in engine.scheduler.policy.verify.points.items()), flush=True)
+    prompts = [engine.render_chat([{"role": "user", "content": t}]) for t in mixed_prompts(args.per_file)]
+    load_bench.run_inprocess(engine, prompts, "auto", 4, args.warm_up, 32)  # warm-up: kernels, and the policy's first look
+
+    tables = []
+    for i, c in enumerate(levels):
+        requests = min(args.max_requests, max(args.min_requests, int(round(c * args.requests_per_stream))))
+        order = budgets[i % len(budgets):] + budgets[: i % len(budgets)]
+        rows = {}
+        for budget in order:
+            rows[budget] = load_bench.run_inprocess(engine, prompts, budget, c, requests, args.max_tokens)
+            r = rows[budget]
+            print(f"  streams {c} budget {budget}: {r.tokens_per_s:.1f} tok/s, tau {r.tau or 0:.2f}", flush=True)
+        tables.append((c, requests, [rows[b] for b in budgets]))
+        print(table(c, requests, [rows[b] for b in budgets]), flush=True)
+
+    print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {engine.config.dtype}, "
+          f"weights {engine.config.weights}; {len(prompts)} prompts (gsm8k-test / humaneval / vicuna-bench "
+          f"interleaved), {args.max_tokens} new tokens, greedy")
+    for c, requests, rows in tables:
+        print(table(c, requests, rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            [{"streams": c, "requests": n, "rows": [r.summary() for r in rows]} for c, n, rows in tables], indent=2))
+
+
+def table(streams: int, requests: int, rows: list[load_bench.LoadRow]) -> str:
+    auto = rows[0]
+    fixed = rows[1:]
+    best = max(fixed, key=lambda r: r.tokens_per_s)
+    plain = next((r for r in fixed if r.budget == 0), None)
+    lines = [f"\n{streams} streams, {requests} requests: auto = {auto.tokens_per_s / best.tokens_per_s:.2f}x the best "
+             f"fixed budget ({best.budget})" + (f", {auto.tokens_per_s / plain.tokens_per_s:.2f}x plain" if plain else ""),
+             "| budget | tokens/s | vs best fixed | tau | granted budgets (rounds) | predicted / realized accepted |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        granted = ", ".join(f"{b}: {n}" for b, n in sorted(r.granted.items(), key=lambda kv: str(kv[0])))
+        ratio = f"{r.predicted:.0f} / {r.accepted} = {r.predicted / r.accepted:.2f}" if r.accepted else "-"
+        lines.append(f"| {r.budget} | {r.tokens_per_s:.1f} | {r.tokens_per_s / best.tokens_per_s:.2f}x | "
+                     f"{r.tau or 0:.2f} | {granted} | {ratio if r.budget == 'auto' else '-'} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
