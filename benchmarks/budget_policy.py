@@ -3,9 +3,10 @@
 Prompts: the first N of gsm8k-test, humaneval and vicuna-bench (benchmarks/data), interleaved
 (math, code, chat, math, ...), so every table is a mixed workload. For each number of streams
 c, c closed-loop greedy streams run `requests` completions through the engine's step loop
-(ddtree.load_bench.run_inprocess); the budgets run one after another in a rotating order per
-concurrency (so drift on a shared machine does not favour one), in one process, one engine
-(budget auto: the policy keeps what it learned, as a server would).
+(ddtree.load_bench.run_inprocess); the budgets run one after another, in `--passes` passes per
+concurrency whose order is rotated and then reversed (so drift on a shared machine favours none;
+each cell sums its passes), in one process, one engine (budget auto: the policy keeps what it
+learned, as a server would).
 
 Reported per table: aggregate tokens/s per budget, auto / best fixed budget, auto / plain,
 auto's granted-budget distribution and predicted vs realized accepted tokens.
@@ -51,6 +52,7 @@ def main() -> None:
     parser.add_argument("--warm-up", type=int, default=12,
                         help="auto requests run first, 4 streams, 32 tokens: the policy's state is a running server's")
     parser.add_argument("--max-step-tokens", type=int, default=1024)
+    parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -70,10 +72,13 @@ def main() -> None:
         requests = min(args.max_requests, max(args.min_requests, int(round(c * args.requests_per_stream))))
         order = budgets[i % len(budgets):] + budgets[: i % len(budgets)]
         rows = {}
-        for budget in order:
-            rows[budget] = load_bench.run_inprocess(engine, prompts, budget, c, requests, args.max_tokens)
-            r = rows[budget]
-            print(f"  streams {c} budget {budget}: {r.tokens_per_s:.1f} tok/s, tau {r.tau or 0:.2f}", flush=True)
+        for p in range(args.passes):
+            for budget in (order if p % 2 == 0 else order[::-1]):
+                r = load_bench.run_inprocess(engine, prompts, budget, c, requests, args.max_tokens)
+                print(f"  streams {c} budget {budget} pass {p + 1}: {r.tokens_per_s:.1f} tok/s, tau {r.tau or 0:.2f}",
+                      flush=True)
+                rows[budget] = merge(rows[budget], r) if budget in rows else r
+        requests *= args.passes
         tables.append((c, requests, [rows[b] for b in budgets]))
         print(table(c, requests, [rows[b] for b in budgets]), flush=True)
 
@@ -85,6 +90,17 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(
             [{"streams": c, "requests": n, "rows": [r.summary() for r in rows]} for c, n, rows in tables], indent=2))
+
+
+def merge(a: load_bench.LoadRow, b: load_bench.LoadRow) -> load_bench.LoadRow:
+    """One cell of two passes: their tokens over their seconds."""
+    for name in ("requests", "tokens", "seconds", "rounds", "round_tokens", "predicted", "accepted"):
+        setattr(a, name, getattr(a, name) + getattr(b, name))
+    a.ttft_s += b.ttft_s
+    a.itl_s += b.itl_s
+    for budget, n in b.granted.items():
+        a.granted[budget] = a.granted.get(budget, 0) + n
+    return a
 
 
 def table(streams: int, requests: int, rows: list[load_bench.LoadRow]) -> str:

@@ -194,3 +194,17 @@ def test_policy_grants_trees_where_rows_are_cheap_and_none_where_they_are_not(ti
     predicted = sum(r.predicted for r in runs["flat"][0].rounds)
     accepted = sum(r.accepted for r in runs["flat"][0].rounds)
     assert math.isclose(predicted, accepted, rel_tol=0.15), (predicted, accepted)
+
+
+def test_a_long_stretch_without_drafting_does_not_end_probing():
+    """Bug: the best gains seen (what gates probes) faded every step, so after a busy stretch in
+    which no tree paid and nothing drafted, no new sequence was ever probed again: after a
+    4-stream warm-up the 1-stream benchmark ran 756 rounds plain. The best gains now move only
+    when gains are observed."""
+    policy = BudgetPolicy(CostCurve({1: 0.010, 2: 0.011, 4: 0.030}))
+    policy.hope = {1: 0.0, 2: 0.9}
+    for _ in range(500):  # 4 streams, nothing drafts
+        assert policy.plan(4, 0, [1], [policy.sequence() for _ in range(4)]) == [False] * 4
+        policy.observe_step(4, 1, 0.03, 0, 0.0, 0.0)
+    # one stream again: a tree of 1 node costs 10% more and the best seen would accept .9 of it
+    assert policy.plan(1, 0, [1, 2], [policy.sequence()]) == [True]

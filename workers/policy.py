@@ -26,8 +26,8 @@ A step decides twice: before drafting, from each sequence's recent E_s, which se
 A sequence the plan leaves out is probed (drafts anyway: one drafter row, and the step's Q still
 chosen from what it drafted) at its first step, then after 4 idle steps, 8, 16, ... 64, so a
 new sequence is learnt and one whose acceptance collapsed is re-probed cheaply -- but only while
-the best gains seen lately (`hope`: any sequence's, fading) would make drafting it pay at this
-step's costs: under a load where no tree can pay (many streams on a CPU) nothing is probed.
+the best gains seen lately (`hope`: any sequence's) would make drafting it pay at this step's
+costs: under a load where no tree can pay (many streams on a CPU) nothing is probed.
 Sequences with a fixed budget keep it; Q never goes below what they need.
 
 The policy only chooses tree shapes, never tokens: output is the target's own at every Q.
@@ -50,7 +50,7 @@ EMA = 0.2  # weight of a new observation in the cost curves and in a sequence's 
 SEQ_DECAY = 0.9  # a sequence's acceptance counts fade by this per round (it adapts within ~10 rounds)
 BATCH_DECAY = 0.995  # the batch-wide counts fade slower
 PRIOR_WEIGHT = 1.0  # predicted reaches of the batch-wide factor a sequence starts from
-HOPE_DECAY = 0.99  # per step, the best gains seen fade by this (half-life ~70 steps)
+HOPE_EASE = 0.05  # a gain below the best seen moves the best this far towards it
 FIRST_PROBE = 4  # a sequence that does not draft drafts anyway after this many steps ...
 LAST_PROBE = 64  # ... doubling each time up to this: acceptance that collapsed is re-probed cheaply
 CALIBRATION_CONTEXT = 64  # committed tokens before the rows `measure_step_cost` times
@@ -179,7 +179,9 @@ class BudgetPolicy:
         self.draft = CostCurve()
         self.other = CostCurve()
         self.batch = Acceptance(BATCH_DECAY)
-        self.hope: dict[int, float] | None = None  # per Q, the best gains seen lately (fading)
+        # per Q, the best gains seen lately: up at once to a higher gain, eased down by lower
+        # ones, kept while nothing drafts (so a probe is always possible where it could pay)
+        self.hope: dict[int, float] | None = None
         self.predicted = 0.0  # expected accepted tokens of the policy's rounds, summed
         self.realized = 0  # what those rounds accepted
         self.steps = 0
@@ -254,7 +256,8 @@ class BudgetPolicy:
             old = estimate.gain or {}
             estimate.gain = old | {q: old[q] + EMA * (g - old[q]) if q in old else g for q, g in gains.items()}
             hope = self.hope or {}
-            self.hope = hope | {q: max(hope.get(q, 0.0), g) for q, g in estimate.gain.items()}
+            self.hope = hope | {q: g if g >= hope.get(q, g) else hope[q] + HOPE_EASE * (g - hope[q])
+                                for q, g in estimate.gain.items()}
         if tree.size == 1:
             return 0.0
         (mass,) = depth_mass(tree, [tree.size - 1])
@@ -270,8 +273,6 @@ class BudgetPolicy:
         """The step's measured times: the target's forward over batch x q rows, the drafter's
         pass over `drafting` sequences, the rest."""
         self.steps += 1
-        if self.hope is not None:
-            self.hope = {q: HOPE_DECAY * h for q, h in self.hope.items()}
         if math.isfinite(verify_s) and verify_s > 0:
             self.verify.observe(batch * q, verify_s)
         if drafting and draft_s > 0:
