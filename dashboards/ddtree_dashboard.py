@@ -83,10 +83,10 @@ PANELS: tuple[PanelSpec, ...] = (
         "Budget policy: predicted vs realized acceptance", "short",
         "Budget auto: drafted tokens per second the policy expected to be accepted, and those "
         "accepted; their ratio far from 1 means its acceptance model is off.",
-        ((_rate("ray_ddtree_policy_predicted_accepted_tokens_total"), "predicted"),
-         (_rate("ray_ddtree_policy_accepted_tokens_total"), "realized"),
-         (f"{_rate('ray_ddtree_policy_predicted_accepted_tokens_total')} / "
-          f"{_rate('ray_ddtree_policy_accepted_tokens_total')}", "predicted / realized")),
+        ((_rate("ray_ddtree_policy_predicted_accepted_sum"), "predicted"),
+         (_rate("ray_ddtree_policy_accepted_sum"), "realized"),
+         (f"{_rate('ray_ddtree_policy_predicted_accepted_sum')} / {_rate('ray_ddtree_policy_accepted_sum')}",
+          "predicted / realized")),
     ),
     PanelSpec(
         "Round time by phase", "s",

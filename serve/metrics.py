@@ -41,12 +41,14 @@ class EngineMetrics:
         self.granted = tagged(metrics.Histogram(
             "ddtree_granted_budget", description="Drafted nodes granted per round (0 = plain decoding; "
             "a chain counts its depths).", boundaries=BUDGET_BOUNDARIES, tag_keys=("model",)))
-        self.policy_predicted = tagged(metrics.Counter(
-            "ddtree_policy_predicted_accepted_tokens", description="Budget auto: the drafted tokens the "
-            "policy expected its rounds to accept.", tag_keys=("model",)))
-        self.policy_accepted = tagged(metrics.Counter(
-            "ddtree_policy_accepted_tokens", description="Budget auto: the drafted tokens its rounds accepted.",
-            tag_keys=("model",)))
+        # histograms, not counters: a round of plain decoding predicts and accepts 0, which a
+        # counter cannot add, and the two must count the same rounds
+        self.policy_predicted = tagged(metrics.Histogram(
+            "ddtree_policy_predicted_accepted", description="Budget auto: drafted tokens the policy expected "
+            "a round to accept.", boundaries=ACCEPTED_BOUNDARIES, tag_keys=("model",)))
+        self.policy_accepted = tagged(metrics.Histogram(
+            "ddtree_policy_accepted", description="Budget auto: drafted tokens a round accepted.",
+            boundaries=ACCEPTED_BOUNDARIES, tag_keys=("model",)))
         self.ttft = tagged(metrics.Histogram(
             "ddtree_time_to_first_token_seconds", description="Arrival to first token, seconds.",
             boundaries=LATENCY_BOUNDARIES_S, tag_keys=("model",)))
@@ -90,10 +92,8 @@ class EngineMetrics:
         self.accepted_length.observe(stats.accepted)
         self.granted.observe(stats.tree_size - 1 if stats.budget in (None, "chain") else stats.budget)
         if stats.predicted is not None:  # a round of the budget policy
-            if stats.predicted > 0:
-                self.policy_predicted.inc(stats.predicted)
-            if stats.accepted:
-                self.policy_accepted.inc(stats.accepted)
+            self.policy_predicted.observe(stats.predicted)
+            self.policy_accepted.observe(stats.accepted)
         for depth, count in enumerate(stats.drafted_per_depth, start=1):
             self.drafted.inc(count, tags={"depth": str(depth)})
             if depth <= stats.accepted:

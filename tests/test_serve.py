@@ -118,11 +118,14 @@ def test_speculation_override_per_request(client):
     kwargs = dict(model=MODEL, messages=CHAT, max_tokens=20, temperature=0)
     plain = client.chat.completions.create(extra_body={"speculation": {"budget": 0}}, **kwargs)
     chain = client.chat.completions.create(extra_body={"speculation": {"budget": "chain"}}, **kwargs)
+    auto = client.chat.completions.create(extra_body={"speculation": {"budget": "auto"}}, **kwargs)
     default = client.chat.completions.create(**kwargs)
     spec = plain.usage.model_dump()["speculation"]
     assert spec["budget"] == 0 and spec["tau"] == 1.0 and spec["drafted_tokens"] == 0
     assert chain.usage.model_dump()["speculation"]["budget"] == "chain"
-    assert plain.choices[0].message.content == chain.choices[0].message.content == default.choices[0].message.content
+    assert auto.usage.model_dump()["speculation"]["budget"] == "auto"
+    texts = {r.choices[0].message.content for r in (plain, chain, auto, default)}
+    assert len(texts) == 1, texts
 
 
 BAD_REQUESTS = [
@@ -168,7 +171,11 @@ def test_metrics_reach_prometheus_endpoint(server, client):
     reply = accepting.chat.completions.create(
         model="accepting", messages=CHAT, max_tokens=13, temperature=0, extra_body={"speculation": {"budget": "chain"}})
     assert reply.usage.model_dump()["speculation"]["tau"] == 4.0, "the whole block of 4 every round"
+    accepting.chat.completions.create(
+        model="accepting", messages=CHAT, max_tokens=13, temperature=0, extra_body={"speculation": {"budget": "auto"}})
     wanted = [
+        "ray_ddtree_granted_budget_bucket", "ray_ddtree_policy_predicted_accepted_sum",
+        "ray_ddtree_policy_accepted_sum",
         "ray_ddtree_drafted_tokens_total", "ray_ddtree_accepted_tokens_total",
         "ray_ddtree_accepted_length_bucket", "ray_ddtree_time_to_first_token_seconds_bucket",
         "ray_ddtree_inter_token_latency_seconds_bucket", "ray_ddtree_round_phase_seconds_bucket",

@@ -19,12 +19,15 @@ The model (README, "How budget: auto chooses"):
   nodes at depth d. The drafter is not calibrated, and differently so per sequence (math vs
   chat), so each sequence keeps a factor per depth, c_d = realized / predicted reaches of depth d
   over its recent rounds (shrunk to the batch-wide factor while it has few), and
-      E_s(n) = sum_d min(1, c_d * m_d(n))   (made non-increasing in d: a path reaches d only via d-1).
+      E_s(n) = b * sum_d min(1, c_d * m_d(n))   (the sum made non-increasing in d: a path
+  reaches d only via d-1), where b is the realized / predicted ratio of the recent verified trees
+  (those were chosen because they were predicted to pay, so what optimism the factors leave
+  shows there).
 
 A step decides twice: before drafting, from each sequence's recent E_s, which sequences draft
 (`plan`); after drafting, from this step's exact E_s, which Q (`choose`). Q = 1 is plain decoding.
 A sequence the plan leaves out is probed (drafts anyway: one drafter row, and the step's Q still
-chosen from what it drafted) at its first step, then after 4 idle steps, 8, 16, ... 64, so a
+chosen from what it drafted) at its first step, then after 8 idle steps, 16, 32, 64, so a
 new sequence is learnt and one whose acceptance collapsed is re-probed cheaply -- but only while
 the best gains seen lately (`hope`: any sequence's) would make drafting it pay at this step's
 costs: under a load where no tree can pay (many streams on a CPU) nothing is probed.
@@ -50,8 +53,9 @@ EMA = 0.2  # weight of a new observation in the cost curves and in a sequence's 
 SEQ_DECAY = 0.9  # a sequence's acceptance counts fade by this per round (it adapts within ~10 rounds)
 BATCH_DECAY = 0.995  # the batch-wide counts fade slower
 PRIOR_WEIGHT = 1.0  # predicted reaches of the batch-wide factor a sequence starts from
+BIAS_DECAY = 0.99  # per verified tree, the rounds behind the realized / predicted correction fade
 HOPE_EASE = 0.05  # a gain below the best seen moves the best this far towards it
-FIRST_PROBE = 4  # a sequence that does not draft drafts anyway after this many steps ...
+FIRST_PROBE = 8  # a sequence that does not draft drafts anyway after this many steps ...
 LAST_PROBE = 64  # ... doubling each time up to this: acceptance that collapsed is re-probed cheaply
 CALIBRATION_CONTEXT = 64  # committed tokens before the rows `measure_step_cost` times
 
@@ -184,6 +188,10 @@ class BudgetPolicy:
         self.hope: dict[int, float] | None = None
         self.predicted = 0.0  # expected accepted tokens of the policy's rounds, summed
         self.realized = 0  # what those rounds accepted
+        # realized / predicted accepted tokens of the recent verified trees (faded sums): the
+        # trees verified are those predicted to pay, so what the per-depth factors leave of
+        # optimism shows here, and every gain is scaled by it
+        self._bias_hits, self._bias_mass = 0.0, 0.0
         self.steps = 0
 
     def sequence(self) -> SequenceEstimate:
@@ -232,8 +240,13 @@ class BudgetPolicy:
     def gains(self, tree: Tree, estimate: SequenceEstimate, buckets: list[int]) -> dict[int, float]:
         """This step's expected accepted tokens of `tree`'s first Q - 1 nodes, per bucket Q."""
         mass = depth_mass(tree, [q - 1 for q in buckets])
-        e = expected_accepted(mass, estimate.acceptance.factors(mass.shape[-1]))
+        e = expected_accepted(mass, estimate.acceptance.factors(mass.shape[-1])) * self.bias
         return dict(zip(buckets, e.tolist()))
+
+    @property
+    def bias(self) -> float:
+        """Realized over predicted accepted tokens of the recent verified trees (1 at first)."""
+        return (self._bias_hits + 1.0) / (self._bias_mass + 1.0)
 
     def choose(self, batch: int, buckets: list[int], gains: list[dict[int, float]], draft_s: float) -> Decision:
         """After drafting: the Q of the highest predicted rate, from each drafted auto
@@ -261,7 +274,10 @@ class BudgetPolicy:
         if tree.size == 1:
             return 0.0
         (mass,) = depth_mass(tree, [tree.size - 1])
-        predicted = float(expected_accepted(mass, estimate.acceptance.factors(mass.shape[0])))
+        raw = float(expected_accepted(mass, estimate.acceptance.factors(mass.shape[0])))
+        predicted = raw * self.bias
+        self._bias_hits = BIAS_DECAY * self._bias_hits + accepted
+        self._bias_mass = BIAS_DECAY * self._bias_mass + raw
         reach = mass.tolist()
         estimate.acceptance.observe(reach, accepted)
         self.batch.observe(reach, accepted)
