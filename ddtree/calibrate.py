@@ -21,29 +21,30 @@ from pathlib import Path
 import torch
 
 from .workers.loading import cache_root
-from .workers.policy import CostCurve, measure_step_cost
+from .workers.policy import CostCurve, measurable, measure_step_cost
 from .workers.scheduler import row_counts
 
 logger = logging.getLogger("ddtree")
 
 
-def machine_key(engine) -> str:
+def machine_key(engine, counts: list[int]) -> str:
     cpu = platform.processor() or platform.machine()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu:{cpu}:{torch.get_num_threads()}t"
     raw = json.dumps([str(engine.target.directory), engine.config.dtype, engine.config.weights, engine.config.tp,
-                      engine.scheduler.limits.max_step_tokens, device, torch.__version__, "step-cost-v1"])
+                      counts, device, torch.__version__, "step-cost-v1"])
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 
 def step_costs(engine) -> CostCurve:
     """The cached T(r) of this engine and machine, or a fresh measurement (then cached)."""
     path = Path(os.environ.get("DDTREE_CALIBRATION", cache_root() / "calibration.json"))
-    key = machine_key(engine)
+    counts = measurable(engine.scheduler, row_counts(engine.scheduler.limits.max_step_tokens))
+    key = machine_key(engine, counts)
     table = json.loads(path.read_text()) if path.is_file() else {}
     if key in table and "step_seconds" in table[key]:
         return CostCurve({int(r): s for r, s in table[key]["step_seconds"].items()})
     started = time.perf_counter()
-    seconds = measure_step_cost(engine.scheduler, row_counts(engine.scheduler.limits.max_step_tokens))
+    seconds = measure_step_cost(engine.scheduler, counts)
     logger.info("budget auto: measured the target's step cost in %.1f s: %s", time.perf_counter() - started,
                 {r: f"{1000 * s:.1f} ms" for r, s in seconds.items()})
     table[key] = {"step_seconds": {str(r): s for r, s in seconds.items()}, "at": time.time()}

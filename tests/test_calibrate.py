@@ -8,7 +8,9 @@ import json
 from ddtree import calibrate
 from ddtree.config import ModelPairConfig, SamplingParams
 from ddtree.engine import Engine
-from ddtree.workers.scheduler import row_counts
+from ddtree.workers.drafter import DFlashDrafter
+from ddtree.workers.policy import measure_step_cost
+from ddtree.workers.scheduler import BatchLimits, Scheduler, row_counts
 
 
 def test_row_counts_are_the_buckets_under_the_step_limit():
@@ -39,3 +41,19 @@ def test_step_costs_are_measured_once_per_machine_and_auto_stays_lossless(tiny_c
     auto = again.generate([again.request(prompt, 12, SamplingParams())])[0]
     plain = again.generate([again.request(prompt, 12, SamplingParams(), budget=0)])[0]
     assert auto.tokens == plain.tokens
+
+
+def test_a_pool_smaller_than_a_full_step_measures_what_fits(tiny_checkpoint):
+    """Bug: the start-up measurement asked the KV pool for 64 + max_step_tokens positions, so an
+    engine with a small pool (kv_cache_tokens 256 beside max_step_tokens 1024) failed to start
+    with PoolFull. It measures the row counts that fit, and the curve goes on past them."""
+    _, target, _ = tiny_checkpoint("llama", 97)
+    drafter = DFlashDrafter.untrained(target, block_size=4, seed=7)
+    scheduler = Scheduler.local(target, drafter, "auto", BatchLimits(max_step_tokens=1024, kv_cache_tokens=256,
+                                                                     kv_page_tokens=16))
+    seconds = measure_step_cost(scheduler, row_counts(1024), repeats=1)
+    assert sorted(seconds) == [1, 2, 3, 5, 9, 17, 33, 65, 129]  # 64 + 129 <= 256 < 64 + 257
+    assert scheduler.pool.free_pages == scheduler.pool.num_pages
+    tiny = Scheduler.local(target, drafter, "auto", BatchLimits(max_num_seqs=4, max_step_tokens=64,
+                                                                kv_cache_tokens=32, kv_page_tokens=4))
+    assert sorted(measure_step_cost(tiny, row_counts(64), repeats=1)) == [1, 2, 3, 5, 9, 17]  # no context

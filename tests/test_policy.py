@@ -208,3 +208,15 @@ def test_a_long_stretch_without_drafting_does_not_end_probing():
         policy.observe_step(4, 1, 0.03, 0, 0.0, 0.0)
     # one stream again: a tree of 1 node costs 10% more and the best seen would accept .9 of it
     assert policy.plan(1, 0, [1, 2], [policy.sequence()]) == [True]
+
+
+def test_probing_resumes_after_plain_stretches_rise_back_to_the_best_seen():
+    """After poor gains eased the hope down, plain steps let it rise back to the best gains
+    ever seen, so a workload that turned predictable again is probed (a changed workload is not
+    left at plain decoding for good)."""
+    policy = BudgetPolicy(CostCurve({1: 0.010, 2: 0.011}))  # a 1-node tree pays from 0.1 accepted
+    policy.best_seen, policy.hope = {1: 0.0, 2: 0.9}, {1: 0.0, 2: 0.05}
+    assert policy.plan(1, 0, [1, 2], [policy.sequence()]) == [False]
+    for _ in range(50):
+        policy.observe_step(1, 1, 0.010, 0, 0.0, 0.0)
+    assert policy.plan(1, 0, [1, 2], [policy.sequence()]) == [True]

@@ -30,7 +30,9 @@ A sequence the plan leaves out is probed (drafts anyway: one drafter row, and th
 chosen from what it drafted) at its first step, then after 8 idle steps, 16, 32, 64, so a
 new sequence is learnt and one whose acceptance collapsed is re-probed cheaply -- but only while
 the best gains seen lately (`hope`: any sequence's) would make drafting it pay at this step's
-costs: under a load where no tree can pay (many streams on a CPU) nothing is probed.
+costs: under a load where no tree can pay (many streams on a CPU) nothing is probed. While
+nothing drafts, `hope` rises slowly back to the best gains ever seen, so a workload that changed
+during a stretch of plain decoding gets probed again.
 Sequences with a fixed budget keep it; Q never goes below what they need.
 
 The policy only chooses tree shapes, never tokens: output is the target's own at every Q.
@@ -54,7 +56,8 @@ SEQ_DECAY = 0.9  # a sequence's acceptance counts fade by this per round (it ada
 BATCH_DECAY = 0.995  # the batch-wide counts fade slower
 PRIOR_WEIGHT = 1.0  # predicted reaches of the batch-wide factor a sequence starts from
 BIAS_DECAY = 0.99  # per verified tree, the rounds behind the realized / predicted correction fade
-HOPE_EASE = 0.05  # a gain below the best seen moves the best this far towards it
+HOPE_EASE = 0.05  # a gain below the best seen moves the best this far towards it ...
+HOPE_RISE = 0.01  # ... and each step in which nothing drafts, this far back to the best ever seen
 FIRST_PROBE = 8  # a sequence that does not draft drafts anyway after this many steps ...
 LAST_PROBE = 64  # ... doubling each time up to this: acceptance that collapsed is re-probed cheaply
 CALIBRATION_CONTEXT = 64  # committed tokens before the rows `measure_step_cost` times
@@ -184,8 +187,10 @@ class BudgetPolicy:
         self.other = CostCurve()
         self.batch = Acceptance(BATCH_DECAY)
         # per Q, the best gains seen lately: up at once to a higher gain, eased down by lower
-        # ones, kept while nothing drafts (so a probe is always possible where it could pay)
+        # ones, and while nothing drafts rising back to the best ever seen (`best_seen`), so a
+        # workload that changed after a stretch of plain decoding is probed again
         self.hope: dict[int, float] | None = None
+        self.best_seen: dict[int, float] = {}
         self.predicted = 0.0  # expected accepted tokens of the policy's rounds, summed
         self.realized = 0  # what those rounds accepted
         # realized / predicted accepted tokens of the recent verified trees (faded sums): the
@@ -271,6 +276,7 @@ class BudgetPolicy:
             hope = self.hope or {}
             self.hope = hope | {q: g if g >= hope.get(q, g) else hope[q] + HOPE_EASE * (g - hope[q])
                                 for q, g in estimate.gain.items()}
+            self.best_seen |= {q: max(g, self.best_seen.get(q, g)) for q, g in estimate.gain.items()}
         if tree.size == 1:
             return 0.0
         (mass,) = depth_mass(tree, [tree.size - 1])
@@ -289,6 +295,8 @@ class BudgetPolicy:
         """The step's measured times: the target's forward over batch x q rows, the drafter's
         pass over `drafting` sequences, the rest."""
         self.steps += 1
+        if not drafting and self.hope is not None:
+            self.hope = {q: h + HOPE_RISE * (self.best_seen.get(q, h) - h) for q, h in self.hope.items()}
         if math.isfinite(verify_s) and verify_s > 0:
             self.verify.observe(batch * q, verify_s)
         if drafting and draft_s > 0:
@@ -301,29 +309,47 @@ class BudgetPolicy:
                 "step_cost_s": dict(self.verify.points), "draft_cost_s": dict(self.draft.points)}
 
 
+def measurable(scheduler, counts: list[int]) -> list[int]:
+    """The row counts of `counts` whose rows fit the scheduler's KV pool after the calibration
+    context (a small pool cannot hold a step of max_step_tokens rows anyway; the curve goes on
+    proportionally past its last point)."""
+    context = calibration_context(scheduler.pool)
+    fits = [r for r in counts if scheduler.pool.pages_for(context + r) <= scheduler.pool.free_pages]
+    return fits or [1]
+
+
+def calibration_context(pool) -> int:
+    """CALIBRATION_CONTEXT, or 0 for a pool too small to hold it beside one row."""
+    return CALIBRATION_CONTEXT if pool.pages_for(CALIBRATION_CONTEXT + 1) <= pool.free_pages else 0
+
+
 def measure_step_cost(scheduler, counts: list[int], repeats: int = 3) -> dict[int, float]:
     """Median seconds of one target forward over r rows after CALIBRATION_CONTEXT committed
-    tokens, per r in `counts`, through the scheduler's target backend and KV pool (its pages
-    go back after). What T(r) costs does not depend on the token values."""
+    tokens (none in a pool too small for them), per r in `counts` that fits the KV pool
+    (`measurable`), through the scheduler's target backend and pool (its pages go back after).
+    What T(r) costs does not depend on the token values."""
     target, pool = scheduler.target, scheduler.pool
+    counts = measurable(scheduler, counts)
+    context = calibration_context(pool)
     capture = tuple(scheduler.drafter.target_layer_ids) if scheduler.drafter is not None else ()
     g = torch.Generator().manual_seed(0)
     out = {}
     for r in counts:
         pages: list[int] = []
-        pool.grow(pages, CALIBRATION_CONTEXT + r)
+        pool.grow(pages, context + r)
         try:
-            tokens = torch.randint(0, 32, (1, CALIBRATION_CONTEXT + r), generator=g)
+            tokens = torch.randint(0, 32, (1, context + r), generator=g)
             batch = lambda lo, hi: TargetBatch(  # noqa: E731 -- rows [lo, hi) after lo committed
                 tokens=tokens[:, lo:hi], positions=torch.arange(lo, hi)[None],
                 mask=torch.ones(hi - lo, hi - lo, dtype=torch.bool).tril()[None], tables=[pages], lengths=[lo],
                 capture=capture, logits_to_keep=0, sampling=[GREEDY], seeds=[None],
                 draw_positions=torch.arange(lo + 1, hi + 1)[None])
-            target.forward(batch(0, CALIBRATION_CONTEXT))
+            if context:
+                target.forward(batch(0, context))
             times = []
             for _ in range(repeats + 1):
                 start = time.perf_counter()
-                target.forward(batch(CALIBRATION_CONTEXT, CALIBRATION_CONTEXT + r))
+                target.forward(batch(context, context + r))
                 times.append(time.perf_counter() - start)
             out[r] = statistics.median(times[1:])  # the first is a warm-up
         finally:
