@@ -191,13 +191,10 @@ class BudgetPolicy:
         # workload that changed after a stretch of plain decoding is probed again
         self.hope: dict[int, float] | None = None
         self.best_seen: dict[int, float] = {}
-        self.predicted = 0.0  # expected accepted tokens of the policy's rounds, summed
-        self.realized = 0  # what those rounds accepted
         # realized / predicted accepted tokens of the recent verified trees (faded sums): the
         # trees verified are those predicted to pay, so what the per-depth factors leave of
         # optimism shows here, and every gain is scaled by it
         self._bias_hits, self._bias_mass = 0.0, 0.0
-        self.steps = 0
 
     def sequence(self) -> SequenceEstimate:
         return SequenceEstimate(Acceptance(SEQ_DECAY, prior=self.batch))
@@ -287,14 +284,11 @@ class BudgetPolicy:
         reach = mass.tolist()
         estimate.acceptance.observe(reach, accepted)
         self.batch.observe(reach, accepted)
-        self.predicted += predicted
-        self.realized += accepted
         return predicted
 
     def observe_step(self, batch: int, q: int, verify_s: float, drafting: int, draft_s: float, other_s: float) -> None:
         """The step's measured times: the target's forward over batch x q rows, the drafter's
         pass over `drafting` sequences, the rest."""
-        self.steps += 1
         if not drafting and self.hope is not None:
             self.hope = {q: h + HOPE_RISE * (self.best_seen.get(q, h) - h) for q, h in self.hope.items()}
         if math.isfinite(verify_s) and verify_s > 0:
@@ -303,10 +297,6 @@ class BudgetPolicy:
             self.draft.observe(drafting, draft_s)
         if other_s > 0:
             self.other.observe(batch, other_s)
-
-    def stats(self) -> dict:
-        return {"steps": self.steps, "predicted_accepted": self.predicted, "realized_accepted": self.realized,
-                "step_cost_s": dict(self.verify.points), "draft_cost_s": dict(self.draft.points)}
 
 
 def measurable(scheduler, counts: list[int]) -> list[int]:
