@@ -206,6 +206,8 @@ class BudgetPolicy:
     def plan(self, batch: int, fixed_drafting: int, buckets: list[int], estimates: list[SequenceEstimate]) -> list[bool]:
         """Before drafting: which of the auto sequences (`estimates`) draft this step: those of
         the (Q, set) with the highest predicted rate from their recent gains, and the probes."""
+        if not estimates:  # a batch of fixed budgets only: nothing to plan
+            return []
         due = {i for i, e in enumerate(estimates) if e.gain is None or e.idle >= e.probe_after}
         chosen = set(self._best_set(batch, fixed_drafting, buckets, {
             i: e.gain for i, e in enumerate(estimates) if i not in due}))
