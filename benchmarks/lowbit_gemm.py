@@ -20,7 +20,7 @@ Routes:
   int8-channel _weight_int8pack_mm with one scale per row: NOT Q8_0 (its scales differ per
                block), timed only as the bound of an int8 route; its difference is not reported
   chunked      Q8_0 de-quantized 4096 rows at a time into a reused fp32 buffer, then F.linear
-  kernel       ddtree's C++ kernel (workers/lowbit_kernel.cpp, torch.ops.ddtree_lowbit.mm) over the
+  kernel       ddtree's C++ kernel (workers/cpu_gemm.cpp, torch.ops.ddtree_cpu.blocks_mm) over the
                GGUF blocks as stored: tiles of 12 rows x <= 256 inputs decoded exactly into an
                L1 buffer once per 64 activation rows and multiplied into all of them (one row:
                decoded in registers); built once on first use, cached under $DDTREE_CACHE/kernels
@@ -38,8 +38,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ddtree.workers.loading import cache_root
-from ddtree.workers.quantized import GROUP, BlockWeights, QuantizedLinear, load_kernel, quantize_for_test
+from ddtree.workers.cpu_gemm import load_kernel
+from ddtree.workers.quantized import GROUP, BlockWeights, QuantizedLinear, quantize_for_test
 
 SHAPES = {  # name: (N out, K in, GGUF type of the shipped file)
     "q_proj / o_proj 576x576": (576, 576, "Q4_1"),
@@ -104,7 +104,7 @@ def chunked_route(w: BlockWeights, rows: int = 4096):
 
 def kernel_route(w: BlockWeights):
     layer = QuantizedLinear.from_weights(w)
-    return lambda x: torch.ops.ddtree_lowbit.mm(x, layer.blocks, layer.kind)
+    return lambda x: torch.ops.ddtree_cpu.blocks_mm(x, layer.blocks, layer.kind)
 
 
 def float_route(w: BlockWeights):
@@ -146,7 +146,7 @@ def main() -> None:
     parser.add_argument("--working-set-mb", type=float, default=128, help="fp32 MB of weight copies cycled per route")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    load_kernel(cache_root() / "kernels")
+    load_kernel()
     names = set(args.routes.split(",")) if args.routes else None
     gen = torch.Generator().manual_seed(0)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}")

@@ -1,9 +1,9 @@
 """The target's verify-cost curve T(q)/T(1): one forward of q tree rows after a 300-token cache,
-median over rounds, for each linear backend (oneDNN, torch's F.linear) interleaved round by
+median over rounds, for each linear backend (ddtree's float_mm, oneDNN, torch's F.linear) interleaved round by
 round in one process, so that a busy machine slows both alike.
 
     python benchmarks/verify_cost.py [--model PATH] [--sizes 1,5,9,17,33] [--rounds 9]
-                                     [--linear onednn,torch] [--weights float|native]
+                                     [--linear ddtree,onednn,torch] [--weights float|native]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def main() -> None:
     parser.add_argument("--model")
     parser.add_argument("--sizes", default="1,5,9,17,33")
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--linear", default="onednn,torch", help="linear backends to compare (workers.model.linear)")
+    parser.add_argument("--linear", default="ddtree,onednn", help="linear backends to compare (workers.model.linear)")
     parser.add_argument("--weights", default="float", choices=["float", "native"])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()

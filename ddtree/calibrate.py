@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .workers.loading import cache_root
+from .config import cache_root
 from .workers.policy import CostCurve, measurable, measure_step_cost
 from .workers.scheduler import row_counts
 

@@ -4,9 +4,17 @@ ModelPairConfig."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+def cache_root() -> Path:
+    """Where ddtree keeps what it builds once per machine (de-quantized GGUFs, the C++ kernels,
+    step-cost calibrations): $DDTREE_CACHE, else ~/.cache/ddtree."""
+    return Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree"))
+
 
 class SamplingParams(BaseModel):
     """Per-request sampling. temperature 0 is greedy (and ignores the seed)."""

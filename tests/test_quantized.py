@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from ddtree.workers.loading import cache_root, load_native_target, load_target_weights, rope_row_order
-from ddtree.workers.quantized import QUANT_TYPES, QuantizedLinear, load_kernel, quantize_for_test
+from ddtree.workers.cpu_gemm import load_kernel
+from ddtree.workers.loading import load_native_target, load_target_weights, rope_row_order
+from ddtree.workers.quantized import QUANT_TYPES, QuantizedLinear, quantize_for_test
 from ddtree.workers.requests import Request
 from ddtree.workers.solo import SoloLoop
 
@@ -28,10 +29,10 @@ TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
-    load_kernel(cache_root() / "kernels")
+    load_kernel()
 
 
-# Shapes that break the kernel's tiling (workers/lowbit_kernel.cpp): 12 output columns per tile,
+# Shapes that break the kernel's tiling (workers/cpu_gemm.cpp, blocks_mm): 12 output columns per tile,
 # inputs decoded in chunks of at most 256 of even size, activation rows in register tiles of
 # 4 (then 3, 2, 1) and panels of 64; one row takes its own path.
 TILE_ROWS = [1, 2, 3, 4, 5, 7, 9, 17, 33, 64, 65, 130, 300]

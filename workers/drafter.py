@@ -42,7 +42,7 @@ from torch import nn
 
 from .loading import read_safetensors_dir
 from .model import (
-    MLP, KVCache, RMSNorm, TargetModel, apply_rope, attend, read_rope, require_full_attention, rope_cos_sin, rope_inv_freq,
+    MLP, KVCache, Linear, RMSNorm, TargetModel, apply_rope, attend, read_rope, require_full_attention, rope_cos_sin, rope_inv_freq,
 )
 
 
@@ -317,10 +317,10 @@ class DraftAttention(nn.Module):
     def __init__(self, c: DFlashConfig):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_proj = Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
@@ -387,7 +387,7 @@ class DFlashDrafter(nn.Module):
         self.block_size = config.block_size
         self.target_layer_ids = config.target_layer_ids
         self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
-        self.fc = nn.Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.fc = Linear(len(config.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rope = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)

