@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from .config import cache_root
+from .workers.model import linear_route
 from .workers.policy import CostCurve, measurable, measure_step_cost
 from .workers.scheduler import row_counts
 
@@ -31,7 +32,7 @@ def machine_key(engine, counts: list[int]) -> str:
     cpu = platform.processor() or platform.machine()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu:{cpu}:{torch.get_num_threads()}t"
     raw = json.dumps([str(engine.target.directory), engine.config.dtype, engine.config.weights, engine.config.tp,
-                      counts, device, torch.__version__, "step-cost-v1"])
+                      counts, device, torch.__version__, linear_route(), "step-cost-v1"])
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 

@@ -8,6 +8,7 @@ import json
 from ddtree import calibrate
 from ddtree.config import ModelPairConfig, SamplingParams
 from ddtree.engine import Engine
+from ddtree.workers import model as target_model
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.policy import measure_step_cost
 from ddtree.workers.scheduler import BatchLimits, Scheduler, row_counts
@@ -57,3 +58,16 @@ def test_a_pool_smaller_than_a_full_step_measures_what_fits(tiny_checkpoint):
     tiny = Scheduler.local(target, drafter, "auto", BatchLimits(max_num_seqs=4, max_step_tokens=64,
                                                                 kv_cache_tokens=32, kv_page_tokens=4))
     assert sorted(measure_step_cost(tiny, row_counts(64), repeats=1)) == [1, 2, 3, 5, 9, 17]  # no context
+
+
+def test_timings_taken_through_another_gemm_are_not_reused(tiny_chat_model, tmp_path, monkeypatch):
+    """Bug: the cache key named the machine, the target, the dtype and torch's version, but not
+    the GEMM the fp32 linears take. When they moved from oneDNN to ddtree's float_mm (a 9-row
+    step ~0.55x the time, one row ~0.7x), a machine that had measured before kept the old curve,
+    and the policy priced every tree with a verify cost it no longer paid."""
+    monkeypatch.setenv("DDTREE_CALIBRATION", str(tmp_path / "calibration.json"))
+    config = ModelPairConfig(model=str(tiny_chat_model), budget="auto", block_size=4, max_step_tokens=16)
+    Engine.from_config(config)
+    monkeypatch.setattr(target_model, "LINEAR_BACKEND", "torch")
+    Engine.from_config(config)
+    assert len(json.loads((tmp_path / "calibration.json").read_text())) == 2

@@ -12,9 +12,10 @@ from ddtree.workers import cpu_gemm, model
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.float_kernel(), reason="float_mm serves AVX2 CPUs only")
 
-# The kernel's tiling: 12 output columns per task step, register tiles of 4 rows x 3 columns
-# (then 3 x 4, 2 x 6, and one row x 4), steps of 8 inputs and a tail of K mod 8 added one by
-# one; one row has its own loop. These shapes and row counts land in every branch.
+# The kernel's tiling: 12 output columns per task step, rows in groups of 4 and 3 (2 when M is 2
+# or 5) in register tiles of 4 x 3, 3 x 4 and 2 x 6 columns (columns past a multiple of those one
+# by one), steps of 8 inputs and a tail of K mod 8 added one by one; one row (4 columns at a
+# time) has its own loop. These shapes and row counts land in every branch.
 ROWS = [1, 2, 3, 4, 5, 7, 9, 17, 33, 65]
 SHAPES = [(1, 8), (5, 7), (11, 64), (12, 100), (13, 576), (25, 1), (130, 96), (50, 1537)]
 

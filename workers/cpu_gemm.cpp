@@ -304,14 +304,15 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& blocks, const std::s
 // vectors and R activation vectors for R * C fused multiply-adds, the accumulators held in
 // registers over the whole of K (no partial sums in memory). A thread takes TILE_N output
 // columns at a time and passes every group of rows over them: the tile's weights come from
-// memory once per call, whatever M, and from L1/L2 for the later groups; meanwhile the next
-// tile is prefetched into L2, so the stream from memory goes on while the rows multiply.
+// memory once per call, whatever M, and from L1/L2 for the later groups; meanwhile the tile
+// after next is prefetched into L2, so the stream from memory goes on while the rows multiply.
 // The last K mod 8 inputs add one by one after the lanes' sum, in order.
 //
 // Measured on the 2-core AVX2 machine over SmolLM2's matrices (30 layers of q/k/v, o, gate/up,
-// down, plus the LM head; benchmarks/verify_cost.py has the whole forward): 18.5 ms at 1 row
-// against oneDNN's 30 ms, 29 ms at 9 rows against 60, 45 at 17 against 78; at 256-512 rows
-// (a prefill) within 0-20% of oneDNN.
+// down, plus the LM head; benchmarks/verify_cost.py has the whole forward): 18.5-20.5 ms at 1
+// row against oneDNN's 28-33 ms, 25-31 ms at 9 rows against 59-75, 38-49 at 17 against 71-93;
+// at 256-512 rows (a prefill) within 0-20% of oneDNN. At 17 rows the FMAs run near the cores'
+// peak (2 per cycle); what is left at 9 is the overlap of the weight stream with them.
 
 constexpr int64_t FLOAT_TILE_N = 12;  // output columns per task step (R x C tiles below divide it)
 
@@ -325,17 +326,22 @@ inline void prefetch_l2(const float* p) {
 }
 
 // y[r, c] (row stride N) for R rows of x and C rows of w (both row stride K); `next`, if not
-// null, is the weight rows to prefetch meanwhile (the next tile's, the same offsets).
+// null, is weight rows to prefetch meanwhile (a later tile's, the same offsets): the 64-byte
+// lines at inputs phase, phase + every, ... (each group of rows of a tile fetches its share,
+// so that the fetches spread over the whole tile's multiplications).
 template <int R, int C>
-inline void float_tile(const float* x, const float* w, float* y, int64_t N, int64_t K, const float* next) {
+inline void float_tile(const float* x, const float* w, float* y, int64_t N, int64_t K, const float* next, int64_t phase = 0, int64_t every = 16) {
   const int64_t body = K - K % LANES;
 #ifdef __AVX2__
   __m256 a[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = _mm256_setzero_ps();
+  int64_t due = next != nullptr ? phase : K;  // the input at which the next line is fetched
   for (int64_t k = 0; k < body; k += LANES) {
-    if (next != nullptr && k % 16 == 0)  // one 64-byte line of each row per two steps
+    if (k == due) {
       for (int c = 0; c < C; ++c) prefetch_l2(next + c * K + k);
+      due += every;
+    }
     __m256 wv[C];
     for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + c * K + k);
     for (int r = 0; r < R; ++r) {
@@ -361,11 +367,11 @@ inline void float_tile(const float* x, const float* w, float* y, int64_t N, int6
 // R rows of x against `columns` (<= FLOAT_TILE_N) rows of w: C = FLOAT_TILE_N / R keeps 12
 // accumulators; one row takes 4 columns at a time (12 would load 12 weight vectors per FMA row).
 template <int R>
-void float_rows(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t columns, const float* next) {
+void float_rows(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t columns, const float* next, int64_t phase = 0, int64_t every = 16) {
   constexpr int C = R == 1 ? 4 : FLOAT_TILE_N / R;
   int64_t c = 0;
   for (; c + C <= columns; c += C)
-    float_tile<R, C>(x, w + c * K, y + c, N, K, next == nullptr ? nullptr : next + c * K);
+    float_tile<R, C>(x, w + c * K, y + c, N, K, next == nullptr ? nullptr : next + c * K, phase, every);
   for (; c < columns; ++c) float_tile<R, 1>(x, w + c * K, y + c, N, K, nullptr);
 }
 
@@ -378,18 +384,27 @@ void float_run(const float* x, const float* w, float* y, int64_t M, int64_t N, i
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * FLOAT_TILE_N, columns = std::min(FLOAT_TILE_N, N - n0);
       const float* wt = w + n0 * K;
-      // the next tile of this task, fetched while the first group of rows passes over this one
-      const float* next = t + 1 < t1 && N - n0 >= 2 * FLOAT_TILE_N ? wt + FLOAT_TILE_N * K : nullptr;
-      int64_t m = 0;
+      // the tile after next of this task, fetched while the row groups pass over this one (one
+      // tile ahead, or all of it fetched by the first group, measured 7-15% slower at 9-17 rows)
+      const float* next = t + 2 < t1 && N - n0 >= 3 * FLOAT_TILE_N ? wt + 2 * FLOAT_TILE_N * K : nullptr;
       if (M == 1) {
         float_rows<1>(x, wt, y + n0, N, K, columns, next);
         continue;
       }
-      for (; m + 4 <= M; m += 4) float_rows<4>(x + m * K, wt, y + m * N + n0, N, K, columns, m == 0 ? next : nullptr);
-      switch (M - m) {
-        case 3: float_rows<3>(x + m * K, wt, y + m * N + n0, N, K, columns, nullptr); break;
-        case 2: float_rows<2>(x + m * K, wt, y + m * N + n0, N, K, columns, nullptr); break;
-        case 1: float_rows<1>(x + m * K, wt, y + m * N + n0, N, K, columns, nullptr); break;
+      int64_t m = 0;
+      const int64_t groups = (M + 3) / 4;
+      for (int64_t g = 0; g < groups; ++g) {
+        // groups of 4 and 3 rows (2 only when M is 2 or 5): a lone row's tile keeps 4 sums in
+        // flight and runs at about a third of the others' rate
+        const int64_t rows = (M - m) / (groups - g);
+        const float* xg = x + m * K;
+        float* yg = y + m * N + n0;
+        switch (rows) {
+          case 4: float_rows<4>(xg, wt, yg, N, K, columns, next, 16 * g, 16 * groups); break;
+          case 3: float_rows<3>(xg, wt, yg, N, K, columns, next, 16 * g, 16 * groups); break;
+          default: float_rows<2>(xg, wt, yg, N, K, columns, next, 16 * g, 16 * groups); break;
+        }
+        m += rows;
       }
     }
   });

@@ -58,15 +58,22 @@ def kernel_dir() -> Path:
 
 
 @functools.cache
+def kernel_key() -> str:
+    """The build's identity: the source, the compiler line (vector flags included) and torch's
+    version. Names the library, and keys what was measured through it (ddtree.calibrate)."""
+    probe = kernel_build_command(Path("out.so"))
+    key = hashlib.sha256(KERNEL_SOURCE.read_bytes() + " ".join(probe[:-1]).encode() + torch.__version__.encode())
+    return key.hexdigest()[:16]
+
+
+@functools.cache
 def load_kernel(cache_dir: Path | None = None) -> None:
     """Registers torch.ops.ddtree_cpu.*, compiling them into `cache_dir` (default: the kernels
     folder of ddtree's cache) the first time on this machine (15-60 s; keyed by the source,
     torch's version and the CPU's vector capability, so an upgrade or another CPU gets its own
     build)."""
     cache_dir = Path(cache_dir) if cache_dir is not None else kernel_dir()
-    probe = kernel_build_command(Path("out.so"))
-    key = hashlib.sha256(KERNEL_SOURCE.read_bytes() + " ".join(probe[:-1]).encode() + torch.__version__.encode())
-    library = cache_dir / f"cpu_gemm-{key.hexdigest()[:16]}.so"
+    library = cache_dir / f"cpu_gemm-{kernel_key()}.so"
     if not library.is_file():
         log.info("building %s into %s (once on this machine)", KERNEL_SOURCE.name, library)
         library.parent.mkdir(parents=True, exist_ok=True)

@@ -259,6 +259,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 LINEAR_BACKEND = "ddtree"  # "ddtree": float_mm (oneDNN if it cannot be built); "onednn"; "torch": F.linear
 
 
+def linear_route() -> str:
+    """Which GEMM the fp32 CPU linears of this process take, named so that timings measured
+    through one route are never reused for another (ddtree.calibrate)."""
+    if LINEAR_BACKEND == "ddtree" and cpu_gemm.float_kernel():
+        return f"float_mm:{cpu_gemm.kernel_key()}"
+    return "onednn" if LINEAR_BACKEND in ("ddtree", "onednn") and torch.backends.mkldnn.is_available() else "torch"
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same checkpoint names) computing through `linear`."""
 
