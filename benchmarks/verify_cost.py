@@ -2,8 +2,12 @@
 median over rounds, for each linear backend (ddtree's float_mm, oneDNN, torch's F.linear) interleaved round by
 round in one process, so that a busy machine slows both alike.
 
-    python benchmarks/verify_cost.py [--model PATH] [--sizes 1,5,9,17,33] [--rounds 9]
+    python benchmarks/verify_cost.py [--model PATH] [--sizes 1,5,9,17,33] [--rounds 9] [--repeats 1]
                                      [--linear ddtree,onednn,torch] [--weights float|native]
+
+--repeats N times N forwards in a row per size and round (after one untimed), as decoding runs
+them back to back; with 1, each timed forward follows other sizes' and backends' forwards, and
+one row measured up to ~25% slower that way than in a run of one-row forwards.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--linear", default="ddtree,onednn", help="linear backends to compare (workers.model.linear)")
     parser.add_argument("--weights", default="float", choices=["float", "native"])
+    parser.add_argument("--repeats", type=int, default=1, help="timed forwards in a row per size and round")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -46,11 +51,12 @@ def main() -> None:
                 tokens = torch.randint(0, model.config.vocab_size, (1, q), generator=torch.Generator().manual_seed(q))
                 positions, mask = CONTEXT + torch.arange(q)[None], torch.ones(1, q, q, dtype=torch.bool).tril()
                 model(tokens, positions, mask, cache)  # warm: shapes and buffers
-                start = time.perf_counter()
-                model(tokens, positions, mask, cache)
-                times[backend, q].append(time.perf_counter() - start)
+                for _ in range(args.repeats):
+                    start = time.perf_counter()
+                    model(tokens, positions, mask, cache)
+                    times[backend, q].append(time.perf_counter() - start)
 
-    print(f"torch {torch.__version__}, {args.threads} threads, weights {args.weights}, {args.rounds} rounds, "
+    print(f"torch {torch.__version__}, {args.threads} threads, weights {args.weights}, {args.rounds} rounds x {args.repeats}, "
           f"cache {CONTEXT} tokens; median ms and T(q)/T(1)")
     print("| q | " + " | ".join(f"{b} T(q) ms | {b} T(q)/T(1)" for b in backends) + " |")
     print("|---|" + "---|---|" * len(backends))
