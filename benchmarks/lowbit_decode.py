@@ -50,7 +50,7 @@ class LlamaCpp:
         shutil.copy(Path(__file__).with_name("llama_cpp") / "decode.mjs", script)
         self.process = subprocess.Popen(["node", str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._send(json.dumps({"model": str(model), "prompt": prompt, "tokens": tokens, "threads": threads}))
-        self.info = self._read()
+        self._read()  # {"ready": true} once the model is loaded
 
     def _send(self, line: str) -> None:
         self.process.stdin.write(line + "\n")

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+
 def cache_root() -> Path:
     """Where ddtree keeps what it builds once per machine (de-quantized GGUFs, the C++ kernels,
     step-cost calibrations): $DDTREE_CACHE, else ~/.cache/ddtree."""

@@ -247,11 +247,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     (training a drafter through the target's head) it is F.linear."""
     if (x.dtype == torch.float32 and x.device.type == "cpu" and weight.dtype == torch.float32
             and not torch.is_grad_enabled()):  # the C++ and oneDNN ops have no backward
-        if LINEAR_BACKEND == "ddtree" and cpu_gemm.float_kernel():
+        route = fp32_route()
+        if route == "float_mm":
             out = torch.ops.ddtree_cpu.float_mm(x.reshape(-1, x.shape[-1]), weight)
             out = out.view(*x.shape[:-1], weight.shape[0])
             return out if bias is None else out.add_(bias)
-        if LINEAR_BACKEND in ("ddtree", "onednn") and torch.backends.mkldnn.is_available():
+        if route == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -259,12 +260,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 LINEAR_BACKEND = "ddtree"  # "ddtree": float_mm (oneDNN if it cannot be built); "onednn"; "torch": F.linear
 
 
-def linear_route() -> str:
-    """Which GEMM the fp32 CPU linears of this process take, named so that timings measured
-    through one route are never reused for another (ddtree.calibrate)."""
+def fp32_route() -> str:
+    """The GEMM that `linear` takes for fp32 on the CPU under LINEAR_BACKEND, as this process
+    can run it: "float_mm", "onednn" or "torch"."""
     if LINEAR_BACKEND == "ddtree" and cpu_gemm.float_kernel():
-        return f"float_mm:{cpu_gemm.kernel_key()}"
+        return "float_mm"
     return "onednn" if LINEAR_BACKEND in ("ddtree", "onednn") and torch.backends.mkldnn.is_available() else "torch"
+
+
+def linear_route() -> str:
+    """fp32_route named down to the kernel's build, so that timings measured through one route
+    are never reused for another (ddtree.calibrate)."""
+    route = fp32_route()
+    return f"{route}:{cpu_gemm.kernel_key()}" if route == "float_mm" else route
 
 
 class Linear(nn.Linear):

@@ -85,15 +85,14 @@ def quantize_for_test(weight: torch.Tensor, kind: str) -> BlockWeights:
     return BlockWeights.from_gguf_bytes(kind, raw, weight.shape[1])
 
 
-# --- the C++ kernel -------------------------------------------------------------------------
-
 # --- modules --------------------------------------------------------------------------------
 
 class QuantizedLinear(nn.Module):
     """A bias-free nn.Linear whose weight stays GGUF blocks: forward(x [..., K]) -> [..., N].
 
-    Every input goes through the C++ kernel (workers.cpu_gemm's blocks_mm: decoding, tree verification, prefill), which decodes
-    each weight once per 64 rows of x into a small fp32 tile and multiplies the rows against it:
+    Every input (decoding, tree verification, prefill) goes through the C++ kernel
+    (workers.cpu_gemm's blocks_mm), which decodes each weight once per 64 rows of x into a small
+    fp32 tile and multiplies the rows against it:
     F.linear(x, self.dequantize()) up to float summation order, and each row's result is the same
     whichever other rows come with it."""
 

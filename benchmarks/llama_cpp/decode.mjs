@@ -15,7 +15,7 @@ const setup = JSON.parse((await lines.next()).value);
 const llama = await getLlama({gpu: false, build: "never", logLevel: "warn"});
 const model = await llama.loadModel({modelPath: setup.model});
 const context = await model.createContext({threads: setup.threads, contextSize: setup.prompt.length + setup.tokens + 8});
-console.log(JSON.stringify({ready: true, llama_cpp: llama.buildType ?? "prebuilt", cpu: llama.cpuMathCores ?? null}));
+console.log(JSON.stringify({ready: true}));
 
 for await (const line of {[Symbol.asyncIterator]: () => lines}) {
   if (line.trim() !== "round") break;
