@@ -2,8 +2,9 @@
 
 For each prompt, every setting runs once, in an order that rotates from prompt to prompt, after
 one warm-up pass of every setting: plain decoding (ddtree budget 0), the DFlash chain, DDTree at
-each budget, transformers `generate()` greedy and transformers prompt-lookup assisted
-generation, all greedy on the same model and prompts. Machines here are shared and noisy, so
+each budget (with `lookup`, each tree budget also with lookup branches in its trees),
+transformers `generate()` greedy and transformers prompt-lookup assisted generation, all greedy
+on the same model and prompts. Machines here are shared and noisy, so
 the figures that matter are the ratios within one run.
 """
 
@@ -47,7 +48,7 @@ def read_prompts(path: str | Path, limit: int | None) -> list[str]:
 
 @dataclass
 class Row:
-    mode: str  # "ddtree", "hf-generate", "hf-prompt-lookup"
+    mode: str  # "ddtree", "ddtree-lookup" (lookup branches in the trees), "hf-generate", "hf-prompt-lookup"
     budget: int | str | None  # ddtree's budget (0, "chain", N); None for the peers
     tokens: int = 0
     seconds: float = 0.0
@@ -64,7 +65,13 @@ class Row:
 
     @property
     def label(self) -> str:
-        return f"ddtree budget {self.budget}" if self.mode == "ddtree" else self.mode
+        if not self.is_ddtree:
+            return self.mode
+        return f"ddtree budget {self.budget}" + (" + lookup" if self.mode == "ddtree-lookup" else "")
+
+    @property
+    def is_ddtree(self) -> bool:
+        return self.mode in ("ddtree", "ddtree-lookup")
 
 
 def verify_costs(engine: Engine, sizes: list[int], context: int = 300, repeats: int = 7) -> dict[int, float]:
@@ -118,8 +125,11 @@ def run_bench(
     max_tokens: int,
     peers: bool = True,
     progress=None,
+    lookup: bool = False,
 ) -> list[Row]:
     settings: list[tuple[str, object]] = [("ddtree", b) for b in budgets]
+    if lookup:  # every tree budget again with lookup branches (not 0 or the chain: they have none)
+        settings += [("ddtree-lookup", b) for b in budgets if b not in (0, "chain")]
     hf = HFPeer(engine) if peers else None
     if hf:
         settings += [("hf-generate", None), ("hf-prompt-lookup", None)]
@@ -130,8 +140,9 @@ def run_bench(
     def once(setting, prompt, tokens, row: Row | None):
         mode, budget = setting
         start = time.perf_counter()
-        if mode == "ddtree":
-            result = engine.generate([engine.request(prompt, tokens, greedy, budget=budget)])[0]
+        if mode in ("ddtree", "ddtree-lookup"):
+            request = engine.request(prompt, tokens, greedy, budget=budget, lookup=mode == "ddtree-lookup")
+            result = engine.generate([request])[0]
             output = result.tokens
         else:
             result, output = None, hf.generate(prompt, tokens, prompt_lookup=mode == "hf-prompt-lookup")
@@ -168,7 +179,7 @@ def run_bench(
     out = list(rows.values())
     for row in out:
         row.tokens_per_s = row.tokens / row.seconds if row.seconds else 0.0
-        if row.mode == "ddtree":
+        if row.is_ddtree:
             row.tau = row.round_tokens / row.rounds if row.rounds else 0.0
             row.verify_rows = engine.verify_len(row.budget)  # None for auto: the policy's Q varies
             if row.verify_rows is not None:
@@ -188,7 +199,7 @@ def markdown(rows: list[Row]) -> str:
     ]
     for r in rows:
         total = sum(r.phase_s.values())
-        split = " / ".join(f"{100 * r.phase_s[p] / total:.0f}" for p in PHASES) if r.mode == "ddtree" and total else "-"
+        split = " / ".join(f"{100 * r.phase_s[p] / total:.0f}" for p in PHASES) if r.is_ddtree and total else "-"
         tau = f"{r.tau:.2f}" if r.tau is not None else "-"
         cost = f"{r.verify_cost_ratio:.2f}" if r.verify_cost_ratio is not None else "-"
         rows_q = r.verify_rows if r.verify_rows is not None else "-"
@@ -216,16 +227,21 @@ def plot(rows: list[Row], path: str | Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     tree = [r for r in rows if r.mode == "ddtree" and isinstance(r.budget, int)]
+    with_lookup = [r for r in rows if r.mode == "ddtree-lookup" and isinstance(r.budget, int)]
     chain = [r for r in rows if r.mode == "ddtree" and r.budget == "chain"]
     fig, (ax_tau, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
     budgets = [r.budget for r in tree]
     ax_tau.plot(budgets, [r.tau for r in tree], "o-", label="DDTree")
     ax_speed.plot(budgets, [r.speedup_vs_ar for r in tree], "o-", label="DDTree")
+    if with_lookup:
+        ax_tau.plot([r.budget for r in with_lookup], [r.tau for r in with_lookup], "s-", label="DDTree + lookup")
+        ax_speed.plot([r.budget for r in with_lookup], [r.speedup_vs_ar for r in with_lookup], "s-",
+                      label="DDTree + lookup")
     for r in chain:
         ax_tau.axhline(r.tau, ls="--", color="gray", label="chain (DFlash)")
         ax_speed.axhline(r.speedup_vs_ar, ls="--", color="gray", label="chain (DFlash)")
     for r in rows:
-        if r.mode != "ddtree":
+        if not r.is_ddtree:
             ax_speed.axhline(r.speedup_vs_ar, ls=":", label=r.mode, color="tab:red" if r.mode == "hf-generate" else "tab:green")
     ax_speed.axhline(1.0, color="black", lw=0.8)
     ax_tau.set(xlabel="tree budget (drafted nodes)", ylabel="tau (tokens per round)", title="acceptance")

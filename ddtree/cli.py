@@ -14,9 +14,9 @@ from .config import GenerateConfig, ModelPairConfig, SamplingParams
 from .flags import add_field_flags, field_values, flag_name
 
 # The flags that set config fields: each takes its type, default and help from the field.
-GENERATE_FIELDS = ("model", "drafter", "budget", "max_tokens", "stop", "dtype", "weights", "tp")
+GENERATE_FIELDS = ("model", "drafter", "budget", "lookup", "max_tokens", "stop", "dtype", "weights", "tp")
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")
-SERVE_FIELDS = ("model", "drafter", "budget")  # on top of --config's
+SERVE_FIELDS = ("model", "drafter", "budget", "lookup")  # on top of --config's
 BENCH_FIELDS = ("model", "drafter", "dtype", "weights")
 
 
@@ -171,6 +171,9 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"ddtree bench: {err}", file=sys.stderr)
         return 2
     if args.concurrency:
+        if args.lookup:
+            print("ddtree bench: --lookup is for the single-stream comparison, not --concurrency", file=sys.stderr)
+            return 2
         return _load_bench(args, config, budgets)
     if 0 not in budgets:
         budgets.insert(0, 0)
@@ -185,7 +188,7 @@ def _bench(args: argparse.Namespace) -> int:
     engine = Engine.from_config(config)
     with tqdm(total=len(prompts), desc="prompts", unit="prompt") as bar:
         rows = run_bench(engine, prompts, budgets, args.max_tokens, peers=not args.no_peers,
-                         progress=lambda done, total: bar.update(1))
+                         progress=lambda done, total: bar.update(1), lookup=args.lookup)
     print(f"{len(prompts)} prompts from {args.prompts}, {args.max_tokens} new tokens, greedy, {config.dtype}, "
           f"weights {config.weights}, {torch_threads()} threads")
     print(markdown(rows))
@@ -285,7 +288,8 @@ def _eval_drafter(args: argparse.Namespace) -> int:
     directory = Path(args.drafter) if args.drafter else default_drafter_path()
     drafter = DFlashDrafter.load(directory, target.model)
     budgets = [parse_budget(b.strip()) for b in args.budgets.split(",")]
-    report = eval_drafter(target, drafter, read_prompts(args.prompts, args.limit), args.max_tokens, budgets, engine=args.engine)
+    report = eval_drafter(target, drafter, read_prompts(args.prompts, args.limit), args.max_tokens, budgets,
+                          engine=args.engine, lookup=args.lookup)
     report |= {"file": Path(args.prompts).name, "max_tokens": args.max_tokens}
     print(f"{report['prompts']} prompts from {args.prompts}, {args.max_tokens} tokens, greedy")
     print("| budget | " + " | ".join(report["tau"]) + " |")
@@ -396,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", help="write one row per setting here")
     bench.add_argument("--plot", help="write a PNG of tau and speed-up against the budget here")
     bench.add_argument("--no-peers", action="store_true", help="skip transformers generate / prompt lookup")
+    bench.add_argument("--lookup", action="store_true",
+                       help="every tree budget (not 0, not the chain) also runs with lookup branches in its trees")
     bench.add_argument("--concurrency", help="comma-separated stream counts, e.g. 1,4,16,64: aggregate tokens/s, "
                        "TTFT and inter-token latency per budget and concurrency (closed-loop streams)")
     bench.add_argument("--requests", type=int, help="with --concurrency: completions per cell "
@@ -442,6 +448,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also store the report under KEY in the drafter's eval.json (its tests re-check it)")
     ev.add_argument("--engine", action="store_true",
                     help="run every budget through the engine instead of walking the drafts (slow; same tau)")
+    ev.add_argument("--lookup", action="store_true",
+                    help="also tau at every tree budget with lookup branches in the trees (keys N+lookup)")
     ev.set_defaults(func=_eval_drafter)
 
     pl = sub.add_parser("plan", help="placement for a target on a GPU node: TP x PP, replicas, GPUs, Ray bundles")

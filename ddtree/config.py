@@ -81,6 +81,13 @@ class ModelPairConfig(BaseModel):
         "maximizes the batch's tokens/s, from costs measured on this machine and each sequence's own "
         "acceptance (README, 'How budget: auto chooses')."
     )
+    lookup: bool = Field(
+        False, description="Lookup branches: every draft tree (a budget N or 'auto') also holds the tokens "
+        "that followed the latest earlier occurrence of the context's last 1-3 tokens (prompt lookup), merged "
+        "best-first with a probability calibrated from their measured acceptance: no drafter work, only verify "
+        "rows; with 'auto' a sequence that does not draft may verify its lookup branch alone. A request may "
+        "override it (speculation.lookup)."
+    )
     block_size: int = Field(8, ge=2, description="Block size of the untrained default drafter.")
     dtype: Literal["float32", "float64", "bfloat16"] = Field("float32", description="Weights dtype.")
     weights: Literal["float", "native"] = Field(

@@ -118,7 +118,7 @@ class Engine:
             target = LoadedTarget(None, load_tokenizer(directory), directory)  # the weights live in the shards
             threads = max(1, torch.get_num_threads() // config.tp)
             spec = WorkerSpec(str(directory), str(drafter_path) if drafter_path else None, config.block_size,
-                              config.dtype, config.tp, threads)
+                              config.dtype, config.tp, threads, config.lookup)
             model_config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
             limits = batch_limits(config, model_config, dtype, device(config))
             instance = RayInstance(spec, config.budget, config.placement, limits)
@@ -135,7 +135,8 @@ class Engine:
             ).to(device(config))
             engine = cls(config, target, None, drafter.block_size)
             limits = batch_limits(config, target.model.config, dtype, target.model.device)
-            engine.scheduler = Scheduler.local(target.model, drafter, config.budget, limits, engine.decode)
+            engine.scheduler = Scheduler.local(target.model, drafter, config.budget, limits, engine.decode,
+                                               lookup=config.lookup)
             # the budget policy's T(r), for the deployment's budget or any request's "auto" (tp > 1:
             # the SchedulerActor measures it)
             from .calibrate import step_costs
@@ -228,8 +229,9 @@ class Engine:
         sampling: SamplingParams,
         stop: tuple[str, ...] = (),
         budget: Budget | None = None,
+        lookup: bool | None = None,
     ) -> Request:
-        return Request(prompt, max_tokens, tuple(stop), self.eos_token_ids, sampling, budget)
+        return Request(prompt, max_tokens, tuple(stop), self.eos_token_ids, sampling, budget, lookup)
 
     def chat_requests(self, user_messages: list[str], config: GenerateConfig) -> list[Request]:
         """`ddtree generate`'s requests: each message is one user turn."""

@@ -37,6 +37,8 @@ def _argparse_type(annotation: Any) -> dict[str, Any]:
         return {"action": "append", **_argparse_type(args[0])}
     if annotation in (int, float, str):
         return {"type": annotation}
+    if annotation is bool:
+        return {"action": argparse.BooleanOptionalAction}
     raise TypeError(f"no command-line flag for a field of type {annotation!r}")
 
 

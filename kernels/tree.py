@@ -24,9 +24,13 @@ class Tree:
     tokens: torch.Tensor  # [N] int64; tokens[0] is the root (bonus) token
     parents: torch.Tensor  # [N] int64; parents[0] = -1 and parents[i] < i
     depths: torch.Tensor  # [N] int64; depths[0] = 0, depths[i] = depths[parents[i]] + 1
-    # [N] float64: each node's best-first score, the drafter's log-probability of the path from
-    # the root to it (root 0); None for a tree not grown best-first
+    # [N] float64: each node's best-first score, the estimated log-probability that the target's
+    # path reaches it (the drafter's path log-probability; with a lookup branch see `grow_tree`),
+    # root 0; None for a tree not grown best-first
     scores: torch.Tensor | None = None
+    # [N] int64: which sources proposed each node, bits DRAFTER | LOOKUP (root 0); None = the
+    # drafter alone
+    sources: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -44,7 +48,8 @@ class Tree:
         a valid tree of any tree (parents[i] < i)."""
         n = min(budget + 1, self.size)
         return Tree(self.tokens[:n], self.parents[:n], self.depths[:n],
-                    self.scores[:n] if self.scores is not None else None)
+                    self.scores[:n] if self.scores is not None else None,
+                    self.sources[:n] if self.sources is not None else None)
 
 
 @dataclass(frozen=True)
@@ -102,32 +107,93 @@ def build_tree(root_token: int, logprobs: torch.Tensor, budget: int, top_k: int 
     return grow_tree(root_token, Candidates.top_k(logprobs, k), budget)
 
 
-def grow_tree(root_token: int, candidates: Candidates, budget: int) -> Tree:
-    """The best-first heap of `build_tree`, over the drafter's top-K candidates per depth."""
-    lp, tok = candidates.logprobs, candidates.tokens
-    depth_count = len(lp)
-    if budget <= 0 or depth_count == 0 or not lp[0]:
-        return Tree.root_only(root_token)
-    k = len(lp[0])
+# Tree.sources bits: the drafter's top-K at the node's depth holds its token; the lookup branch
+# (prompt lookup) holds it at this place.
+DRAFTER, LOOKUP = 1, 2
 
-    tokens, parents, depths, scores = [root_token], [-1], [0], [0.0]
-    # heap entry: (-score, insertion order, parent node, depth (1-based), rank at that depth)
-    heap = [(-lp[0][0], 0, 0, 1, 0)]
-    order = 1
+
+@dataclass(frozen=True)
+class Lookup:
+    """A lookup branch: the tokens that followed an earlier occurrence of the context's last
+    n-gram (workers.lookup), as a chain below the root, with per depth the estimated
+    log-probability that the target, having reached the chain's node at depth d - 1, takes the
+    chain's token at depth d (calibrated from the chain's measured acceptance)."""
+
+    tokens: list[int]  # [L] the chain's tokens, depth 1 ... L
+    logprobs: list[float]  # [L] log P(the target takes tokens[d - 1] | it reached depth d - 1), <= 0
+    ngram: int = 0  # length of the matched n-gram (what the calibration is keyed by)
+
+
+def grow_tree(root_token: int, candidates: Candidates | None, budget: int, lookup: Lookup | None = None) -> Tree:
+    """The best-first heap of `build_tree`, over the drafter's top-K candidates per depth and,
+    when given, a lookup branch merged into the same tree.
+
+    Every node's score estimates the log-probability that the target's path reaches it: a
+    child scores its parent's score plus its source's log-probability -- the drafter's at the
+    child's depth, or the lookup chain's at that depth. A node both sources propose (the chain's
+    token is also one of the drafter's candidates under the same parent) is one node with the
+    higher of the two scores: the heap pops it first, and the later pop of the same (parent,
+    token) is dropped. Scores never rise along a path, so parents pop before their children and
+    the first n nodes are the best-first tree of budget n (`Tree.prefix`). Without a lookup
+    branch this is exactly the drafter's DDTree (the same pops in the same order).
+
+    Worked example: root 7; drafter depth 1: 4 (.6), 5 (.3); depth 2: 9 (.8), 4 (.1) (as
+    probabilities); lookup chain [5, 6] with probabilities [.9, .5]; budget 3:
+        pops: lookup 5 (.9, depth 1), then 5 -> 9 (.9 x .8 = .72), then 4 (.6); the budget ends
+        before lookup 5 -> 6 (.45) and before the drafter's own 5 (.3), which, a duplicate of
+        the first pop, would be dropped
+        tokens  [7, 5, 9, 4]      sources [0, DRAFTER | LOOKUP, DRAFTER, DRAFTER]
+        parents [-1, 0, 1, 0]
+    """
+    lp, tok = (candidates.logprobs, candidates.tokens) if candidates is not None else ([], [])
+    depth_count = len(lp) if lp and lp[0] else 0
+    chain = lookup.tokens if lookup is not None else []
+    if budget <= 0 or (depth_count == 0 and not chain):
+        return Tree.root_only(root_token)
+    k = len(lp[0]) if depth_count else 0
+    drafted = [set(ts) for ts in tok]  # per depth: the drafter's candidate tokens
+
+    tokens, parents, depths, scores, sources = [root_token], [-1], [0], [0.0], [0]
+    placed: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    on_chain = {0: 0}  # node -> its depth on the lookup chain (the root is the chain's start)
+    # heap entry: (-score, insertion order, parent node, depth (1-based), rank at that depth or
+    # -1 for the lookup chain's node at that depth)
+    heap, order = [], 0
+
+    def push(score: float, parent: int, depth: int, rank: int) -> None:
+        nonlocal order
+        heapq.heappush(heap, (-score, order, parent, depth, rank))
+        order += 1
+
+    def expand(node: int) -> None:
+        """The new node's best children: the drafter's best at the next depth, the chain's next."""
+        depth = depths[node]
+        if depth < depth_count:
+            push(scores[node] + lp[depth][0], node, depth + 1, 0)
+        if node in on_chain and depth < len(chain):
+            push(scores[node] + lookup.logprobs[depth], node, depth + 1, -1)
+
+    expand(0)
     while heap and len(tokens) - 1 < budget:
         neg_score, _, parent, depth, rank = heapq.heappop(heap)
+        token = chain[depth - 1] if rank < 0 else tok[depth - 1][rank]
+        if rank >= 0 and rank + 1 < k:  # the next sibling: same parent, next rank at this depth
+            push(scores[parent] + lp[depth - 1][rank + 1], parent, depth, rank + 1)
+        if (parent, token) in placed:  # proposed by both sources: it popped already, scored higher
+            continue
         node = len(tokens)
-        tokens.append(tok[depth - 1][rank])
+        placed[parent, token] = node
+        tokens.append(token)
         parents.append(parent)
         depths.append(depth)
         scores.append(-neg_score)
-        if rank + 1 < k:  # the next sibling: same parent, next rank at this depth
-            heapq.heappush(heap, (-(scores[parent] + lp[depth - 1][rank + 1]), order, parent, depth, rank + 1))
-            order += 1
-        if depth < depth_count:  # the best child of the new node
-            heapq.heappush(heap, (-(scores[node] + lp[depth][0]), order, node, depth + 1, 0))
-            order += 1
-    return Tree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.tensor(scores, dtype=torch.float64))
+        if parent in on_chain and depth <= len(chain) and chain[depth - 1] == token:
+            on_chain[node] = depth
+        sources.append((DRAFTER if depth <= depth_count and token in drafted[depth - 1] else 0)
+                       | (LOOKUP if node in on_chain else 0))
+        expand(node)
+    return Tree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.tensor(scores, dtype=torch.float64),
+                torch.tensor(sources) if lookup is not None else None)
 
 
 def chain_tree(root_token: int, logprobs: torch.Tensor) -> Tree:

@@ -207,7 +207,8 @@ class EngineServer:
                 budget = self.engine.check_budget(budget, self.config.max_budget)
             except ValueError as err:
                 raise RequestError(str(err), "speculation.budget") from None
-        return self.engine.request(prompt, max_tokens, sampling, tuple(body.get("stop") or ()), budget)
+        return self.engine.request(prompt, max_tokens, sampling, tuple(body.get("stop") or ()), budget,
+                                   body.get("lookup"))
 
     # --- streaming ---------------------------------------------------------------------------
 
@@ -281,6 +282,12 @@ class EngineServer:
                 "rounds": len(result.rounds),
                 "drafted_tokens": drafted,
                 "accepted_tokens": accepted,
+                # the accepted tokens by who proposed them: the drafter alone, the lookup branch
+                # alone, both (the same token at the same place)
+                "accepted_tokens_by_source": dict(zip(
+                    ("drafter", "lookup", "both"),
+                    (sum(r.accepted_sources[i] for r in result.rounds) for i in range(3)))),
+                "lookup": request.lookup if request.lookup is not None else self.engine.config.lookup,
                 "tau": round(result.tau, 4),
             },
         }

@@ -30,6 +30,9 @@ class EngineMetrics:
         self.accepted = tagged(metrics.Counter(
             "ddtree_accepted_tokens", description="Drafted tokens the target accepted, by draft depth.",
             tag_keys=("model", "depth")))
+        self.accepted_by_source = tagged(metrics.Counter(
+            "ddtree_accepted_tokens_by_source", description="Drafted tokens the target accepted, by who "
+            "proposed them: drafter, lookup (the lookup branch alone) or both.", tag_keys=("model", "source")))
         self.emitted = tagged(metrics.Counter(
             "ddtree_output_tokens", description="Completion tokens emitted (accepted + bonus).",
             tag_keys=("model",)))
@@ -98,5 +101,8 @@ class EngineMetrics:
             self.drafted.inc(count, tags={"depth": str(depth)})
             if depth <= stats.accepted:
                 self.accepted.inc(tags={"depth": str(depth)})
+        for source, count in zip(("drafter", "lookup", "both"), stats.accepted_sources):
+            if count:
+                self.accepted_by_source.inc(count, tags={"source": source})
         for phase in PHASES:
             self.phase.observe(getattr(stats, f"{phase}_s"), tags={"phase": phase})

@@ -93,6 +93,10 @@ class Speculation(BaseModel):
         None, description="Tree budget for this request only: 0 = plain decoding, 'chain', N "
         "(at most the server's max_budget), or 'auto' (the server's budget policy)."
     )
+    lookup: StrictBool | None = Field(
+        None, description="Lookup branches in this request's trees (prompt lookup merged into the draft "
+        "tree); None = the server's default."
+    )
 
 
 # OpenAI parameters that would change what a request means, and the values that leave it
@@ -174,6 +178,7 @@ class _Sampling(BaseModel):
             "seed": self.seed,
             "stop": self.stop or [],
             "budget": self.speculation.budget if self.speculation else None,
+            "lookup": self.speculation.lookup if self.speculation else None,
         }
 
 

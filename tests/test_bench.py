@@ -20,7 +20,7 @@ MAX_TOKENS = 10
 @pytest.fixture(scope="module")
 def bench_rows(tiny_chat_model):
     engine = Engine.from_config(ModelPairConfig(model=str(tiny_chat_model), budget=0, block_size=4, dtype="float64"))
-    return run_bench(engine, PROMPTS, [0, "chain", 4], max_tokens=MAX_TOKENS, peers=True)
+    return run_bench(engine, PROMPTS, [0, "chain", 4], max_tokens=MAX_TOKENS, peers=True, lookup=True)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +39,10 @@ def greedy_reference(tiny_chat_model):
 
 def test_a_row_for_every_setting(bench_rows):
     assert [(r.mode, r.budget) for r in bench_rows] == [
-        ("ddtree", 0), ("ddtree", "chain"), ("ddtree", 4), ("hf-generate", None), ("hf-prompt-lookup", None)
+        ("ddtree", 0), ("ddtree", "chain"), ("ddtree", 4), ("ddtree-lookup", 4), ("hf-generate", None),
+        ("hf-prompt-lookup", None)
     ]
+    assert bench_rows[3].label == "ddtree budget 4 + lookup"
 
 
 def test_every_setting_generates_the_targets_greedy_tokens(bench_rows, greedy_reference):
@@ -66,7 +68,7 @@ def test_tau_counts_round_tokens_per_round(accepting_model):
 def test_ratios_are_relative_to_budget_0_and_hf_generate(bench_rows):
     """Each reference scores exactly 1 against itself, and every row is measured against the
     same two references: its two ratios differ by one factor, hf-generate's speed over budget 0's."""
-    ar, hf = bench_rows[0], bench_rows[3]
+    ar, hf = bench_rows[0], bench_rows[4]
     assert ar.speedup_vs_ar == 1.0 and hf.speedup_vs_hf == 1.0
     for row in bench_rows:
         assert row.speedup_vs_ar == pytest.approx(row.speedup_vs_hf * hf.speedup_vs_ar), row.label

@@ -128,6 +128,27 @@ def test_speculation_override_per_request(client):
     assert len(texts) == 1, texts
 
 
+def test_lookup_branches_per_request_on_the_accepting_model(server):
+    """speculation.lookup turns lookup branches on for one request. On the accepting model the
+    output is all token 0, so once two tokens are out the context's last n-gram recurs and the
+    branch proposes 0s -- the drafter's own top-1 -- and usage says the accepted tokens came from
+    both sources; without lookup they are the drafter's alone. A non-boolean is a 400 naming it."""
+    accepting = openai.OpenAI(base_url=server["base"] + "/accepting/v1", api_key="unused", max_retries=0)
+    kwargs = dict(model="accepting", messages=CHAT, max_tokens=24, temperature=0)
+    on = accepting.chat.completions.create(extra_body={"speculation": {"budget": 8, "lookup": True}}, **kwargs)
+    off = accepting.chat.completions.create(extra_body={"speculation": {"budget": 8, "lookup": False}}, **kwargs)
+    assert on.choices[0].message.content == off.choices[0].message.content
+    spec_on, spec_off = on.usage.model_dump()["speculation"], off.usage.model_dump()["speculation"]
+    assert spec_on["lookup"] is True and spec_off["lookup"] is False
+    for spec in (spec_on, spec_off):
+        assert sum(spec["accepted_tokens_by_source"].values()) == spec["accepted_tokens"] > 0
+    assert spec_on["accepted_tokens_by_source"]["both"] > 0
+    assert spec_off["accepted_tokens_by_source"] == {"drafter": spec_off["accepted_tokens"], "lookup": 0, "both": 0}
+    r = httpx.post(server["base"] + "/accepting/v1/chat/completions", timeout=120,
+                   json={**kwargs, "speculation": {"lookup": "yes"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "speculation.lookup", r.text
+
+
 BAD_REQUESTS = [
     ({"temperature": -0.5}, 400, "temperature"),
     ({"temperature": "hot"}, 400, "temperature"),
@@ -180,6 +201,7 @@ def test_metrics_reach_prometheus_endpoint(server, client):
         "ray_ddtree_accepted_length_bucket", "ray_ddtree_time_to_first_token_seconds_bucket",
         "ray_ddtree_inter_token_latency_seconds_bucket", "ray_ddtree_round_phase_seconds_bucket",
         "ray_ddtree_requests_running", "ray_ddtree_requests_queued", "ray_ddtree_output_tokens_total",
+        "ray_ddtree_accepted_tokens_by_source_total",
     ]
     deadline, text = time.time() + 90, ""
     while time.time() < deadline:

@@ -110,7 +110,7 @@ def test_export_loads_drafts_and_evaluates(trained, tmp_path):
 def test_offline_tau_equals_the_engines(trained, tiny_chat_model, tmp_path):
     """eval-drafter computes tau from the target's greedy continuation and the drafts along it,
     without verifying trees; running every budget through the engine must count the same
-    rounds. float64, so that features from one prefill pass and from the engine's tree passes
+    rounds -- with lookup branches too, whose calibration learns over the prompts in order. float64, so that features from one prefill pass and from the engine's tree passes
     pick the same drafts."""
     target, work, cfg, *_ = trained
     out = stage_export(target, work, cfg, LAYERS, tmp_path / "export")
@@ -118,10 +118,12 @@ def test_offline_tau_equals_the_engines(trained, tiny_chat_model, tmp_path):
     drafter = DFlashDrafter.load(out, target64.model)
     prompts = ["What is 4 plus 7?", "What is 1 plus 4?", "Write a poem"]
     budgets = ["chain", 3, 8]
-    offline = eval_drafter(target64, drafter, prompts, 16, budgets)
-    engine = eval_drafter(target64, drafter, prompts, 16, budgets, engine=True)
-    assert offline == engine
+    offline = eval_drafter(target64, drafter, prompts, 40, budgets, lookup=True)
+    engine = eval_drafter(target64, drafter, prompts, 40, budgets, engine=True, lookup=True)
+    assert offline == engine, (offline["tau"], engine["tau"])
+    assert set(offline["tau"]) == {"chain", "3", "8", "3+lookup", "8+lookup"}
     assert max(offline["tau"].values()) > 1.0, "some drafts accepted, so the walk is exercised"
+    assert offline["tau"]["8+lookup"] != offline["tau"]["8"], "lookup branches changed some rounds"
 
 
 def test_the_last_layer_cannot_be_captured(tiny_chat_model, tmp_path):

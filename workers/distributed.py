@@ -69,6 +69,7 @@ class WorkerSpec:
     dtype: str  # "float32", "float64" or "bfloat16"
     tp: int  # tensor-parallel shards
     threads_per_worker: int  # torch threads of each shard (CPU)
+    lookup: bool = False  # the scheduler's default for lookup branches (workers.lookup)
 
 
 def _device(spec: WorkerSpec, rank: int = 0) -> torch.device:
@@ -288,6 +289,7 @@ class SchedulerActor:
             self.budget,
             self.limits,
             decode=self.decode if self.tokenizer is not None else None,
+            lookup=self.spec.lookup,
         )
         if self.scheduler.drafter is not None:  # the budget policy's step cost over these shards (not cached)
             counts = row_counts(self.limits.max_step_tokens)

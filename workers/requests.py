@@ -14,7 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
+import torch
+
 from ..config import GREEDY, SamplingParams, parse_budget
+from ..kernels.tree import DRAFTER, LOOKUP, Tree
 
 Budget = int | Literal["chain", "auto"]
 
@@ -50,6 +53,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     sampling: SamplingParams = GREEDY
     budget: Budget | None = None  # overrides the engine's budget for this request
+    lookup: bool | None = None  # lookup branches in its trees (workers.lookup); None = the engine's default
 
 
 @dataclass
@@ -64,6 +68,8 @@ class RoundStats:
     transport_s: float = 0.0  # time in calls beyond the models' own work (Ray, serialization)
     budget: Budget | None = None  # the budget this round was granted (a batch may grant less than asked)
     predicted: float | None = None  # budget "auto": the accepted tokens the policy expected of this round
+    # accepted drafted tokens proposed by (the drafter alone, the lookup branch alone, both)
+    accepted_sources: tuple[int, int, int] = (0, 0, 0)
 
 
 @dataclass
@@ -93,6 +99,18 @@ class Update:
     new_tokens: list[int]  # completion tokens emitted since the previous update
     round: RoundStats | None = None  # the round that emitted them (None for the prefill's)
     result: Result | None = None  # set on the request's last update only
+
+
+def accepted_sources(tree: Tree, path) -> tuple[int, int, int]:
+    """RoundStats.accepted_sources of a round: the accepted path's nodes (root first) by the
+    sources that proposed them (Tree.sources; a tree without them is the drafter's alone)."""
+    accepted = len(path) - 1
+    if tree.sources is None or accepted <= 0:
+        return (accepted, 0, 0)
+    bits = tree.sources[torch.as_tensor(path[1:], dtype=torch.long)]
+    both = int((bits == DRAFTER | LOOKUP).sum())
+    lookup_only = int((bits == LOOKUP).sum())
+    return (accepted - both - lookup_only, lookup_only, both)
 
 
 def check_request(request: Request) -> None:

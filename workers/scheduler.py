@@ -9,6 +9,8 @@ Each `step()`:
      decoding by more than one chunk;
   4. drafts: one drafter pass per drafting sequence, and one tree per sequence at the budget it
      is granted (a fixed budget: see `grant`; "auto": workers.policy, which also picks the Q);
+     with lookup on, each tree also holds the sequence's lookup branch (workers.lookup), which
+     costs no drafter work -- an auto sequence that does not draft this step may verify it alone;
   5. verifies: ONE target forward over every decoding sequence's tree, each padded to the step's
      common row count Q (a bucket, so shapes repeat); padding rows sit at their row's start
      position, see only themselves and are never read;
@@ -42,8 +44,10 @@ from ..kernels.sampling import draw_seed
 from ..kernels.tree import Tree, grow_tree
 from ..kernels.tree_batch import TreeBatch
 from .batch_backends import BatchDrafter, BatchTarget, DraftRows, LocalBatchDrafter, LocalBatchTarget, TargetBatch
-from .requests import Budget, Request, Result, RoundStats, Update, check_budget, check_request, check_stop, tree_rows
+from .requests import (Budget, Request, Result, RoundStats, Update, accepted_sources, check_budget, check_request, check_stop,
+                       tree_rows)
 from .kv_pool import PageAllocator, PoolFull
+from .lookup import BATCH_DECAY as LOOKUP_BATCH_DECAY, LookupCalibration, SequenceLookup
 from .model import TreeBits
 from .policy import BudgetPolicy, SequenceEstimate
 
@@ -111,6 +115,7 @@ class _Sequence:
     drafting: bool = False  # the drafter holds a context cache for this sequence (set once prefilled)
     rounds: list[RoundStats] = field(default_factory=list)
     estimate: SequenceEstimate | None = None  # budget "auto": what the policy knows of this sequence
+    lookup: SequenceLookup | None = None  # lookup branches on: its context's n-grams and their calibration
     sent: int = 0  # output tokens already emitted
     prefill_s: float = 0.0
     decode_started: float = 0.0
@@ -137,6 +142,7 @@ class Scheduler:
         limits: BatchLimits = BatchLimits(),
         decode: Callable[[list[int]], str] | None = None,
         policy: BudgetPolicy | None = None,  # budget "auto" (workers.policy); a fresh one by default
+        lookup: bool = False,  # lookup branches in every tree unless a request says otherwise
     ):
         if limits.max_num_seqs > limits.max_step_tokens:
             raise ValueError(
@@ -147,6 +153,8 @@ class Scheduler:
         self.limits, self.decode = limits, decode
         self.budget = check_budget(budget, drafter is not None)
         self.policy = policy or BudgetPolicy()
+        self.lookup = lookup
+        self.lookup_calibration = LookupCalibration(LOOKUP_BATCH_DECAY)  # engine-wide, every sequence's prior
         self.pool = PageAllocator(limits.kv_cache_tokens, limits.kv_page_tokens)  # the storage: the target's
         self.target.allocate(self.pool.num_pages, self.pool.page)
         self.waiting: deque[_Sequence] = deque()
@@ -159,10 +167,11 @@ class Scheduler:
 
     @classmethod
     def local(cls, model, drafter=None, budget: Budget = 0, limits: BatchLimits = BatchLimits(),
-              decode: Callable[[list[int]], str] | None = None, policy: BudgetPolicy | None = None) -> "Scheduler":
+              decode: Callable[[list[int]], str] | None = None, policy: BudgetPolicy | None = None,
+              lookup: bool = False) -> "Scheduler":
         """Over a TargetModel and an optional Proposer (workers.drafter) in this process."""
         return cls(LocalBatchTarget(model), LocalBatchDrafter(drafter) if drafter is not None else None,
-                   budget, limits, decode, policy)
+                   budget, limits, decode, policy, lookup)
 
     # --- the requests' side ---------------------------------------------------------------------
 
@@ -187,6 +196,8 @@ class Scheduler:
         seq = _Sequence(self._next_id, request, budget, draw_seed(request.sampling), time.perf_counter(), list(request.prompt))
         if budget == "auto":
             seq.estimate = self.policy.sequence()
+        if budget not in (0, "chain") and (self.lookup if request.lookup is None else request.lookup):
+            seq.lookup = SequenceLookup(list(request.prompt), self.lookup_calibration)
         self._next_id += 1
         self._arrivals.append(seq)
         return seq.id
@@ -334,16 +345,25 @@ class Scheduler:
                 rows[b].features = []
                 candidates[b] = proposal
         t1 = time.perf_counter()
-        trees = [grow_tree(seq.output[-1], candidates[b], granted[b]) if b in candidates else Tree.root_only(seq.output[-1])
+        branches = self._lookup_branches(rows)
+        # an auto sequence the plan left out verifies its lookup branch alone, if it has one
+        auto_trees = sorted(set(auto) | {b for b in branches if rows[b].budget == "auto"})
+        for b in auto_trees:
+            granted[b] = buckets[-1] - 1
+        trees = [grow_tree(seq.output[-1], candidates.get(b), granted[b], branches.get(b))
+                 if b in candidates or b in branches else Tree.root_only(seq.output[-1])
                  for b, seq in enumerate(rows)]
-        gains = {b: self.policy.gains(trees[b], rows[b].estimate, buckets) for b in auto}
-        if auto:  # the policy's Q: its auto trees are the best-first prefixes that fill it
+        gains = {b: self.policy.gains(trees[b], rows[b].estimate, buckets) for b in auto_trees}
+        if auto_trees:  # the policy's Q: its auto trees are the best-first prefixes that fill it
             decision = self.policy.choose(len(rows), buckets, list(gains.values()), t1 - t0)
-            for b in auto:
+            for b in auto_trees:
                 granted[b] = decision.q - 1
                 trees[b] = trees[b].prefix(granted[b])
         draft_s = [(t1 - t0) / len(drafting) if b in candidates else 0.0 for b in range(len(rows))]
         tree_s = time.perf_counter() - t1
+        # a tree verified without drafting (a lookup branch alone) says nothing of the gains
+        # drafting would bring: a sequence's estimated gains move only with its drafted trees
+        gains = {b: g for b, g in gains.items() if b in candidates}
         q_len = bucket(max(t.size for t in trees))
         rows, trees, draft_s, granted, gains = self._reserve(rows, trees, draft_s, granted, gains, q_len)
         if not rows:
@@ -386,8 +406,11 @@ class Scheduler:
             self.pool.shrink(seq.pages, seq.length + 1)
             if out.features is not None and seq.budget != 0:
                 seq.features.append(out.features[b : b + 1, path])
+            before = len(seq.output)
             seq.output.extend(tree.tokens[path[1:]].tolist() + [bonus[b]])
             seq.finish_reason, seq.text = check_stop(seq.request, seq.output, self.decode)
+            if seq.lookup is not None:  # what the request emitted: the path past a stop is not
+                seq.lookup.observe(tree, path[: 1 + min(n - 1, len(seq.output) - before)].tolist())
             per_depth = tuple(torch.bincount(tree.depths)[1:].tolist())
             predicted = None
             if seq.budget == "auto" and seq.estimate is not None:
@@ -398,10 +421,24 @@ class Scheduler:
             else:
                 granted_budget = granted[b]
             seq.rounds.append(RoundStats(tree.size, n - 1, draft_s[b], tree_s, t3 - t2, t4 - t3, per_depth,
-                                         budget=granted_budget, predicted=predicted))
+                                         budget=granted_budget, predicted=predicted,
+                                         accepted_sources=accepted_sources(tree, path)))
         t5 = time.perf_counter()
         self.policy.observe_step(len(rows), q_len, t3 - t2, len(drafting), t1 - t0, (t5 - t0) - (t3 - t2) - (t1 - t0))
         return rows
+
+    def _lookup_branches(self, rows: list[_Sequence]) -> dict:
+        """Row -> its lookup branch (kernels.tree.Lookup), for the rows with lookup on and a
+        match in their context."""
+        branches = {}
+        for b, seq in enumerate(rows):
+            if seq.lookup is not None and seq.drafting:
+                index = seq.lookup.index  # prompt + output so far, the pending bonus last
+                index.extend(seq.output[len(index.tokens) - len(seq.request.prompt):])
+                branch = seq.lookup.propose()
+                if branch is not None:
+                    branches[b] = branch
+        return branches
 
     def _reserve(self, rows, trees, draft_s, granted, gains, q_len):
         """Grows every row's pages to hold its verify block (positions length ... + Q - 1),

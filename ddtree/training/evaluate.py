@@ -1,10 +1,12 @@
 """`ddtree eval-drafter`: a drafter's held-out tau per budget and top-1 accuracy per block
-position, greedy.
+position, greedy; with `lookup`, also tau with lookup branches (workers.lookup) in the trees.
 
 A round's accepted length is the deepest tree path matching the target's own continuation, so
 tau follows from that continuation and the drafts along it: one plain decode per prompt
 (`reference_continuations`), one target pass and the drafter's block forward per prompt
-(`_drafts_along`), then trees walked without verification (`_rounds`).
+(`_drafts_along`), then trees walked without verification (`_rounds`). A lookup branch needs no
+model at all: the context so far, and a calibration that learns over the prompts in order, as
+an engine's does over the requests it serves.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from ..config import SamplingParams
 from ..engine import default_chat_template_kwargs
 from ..kernels.tree import Candidates, walk_tree, grow_tree
 from ..workers.loading import LoadedTarget
+from ..workers.lookup import BATCH_DECAY, LookupCalibration, SequenceLookup
 from ..workers.requests import Request
 from ..workers.scheduler import BatchLimits, Scheduler
 
@@ -33,10 +36,11 @@ def reference_continuations(target: LoadedTarget, prompts: list[str], max_tokens
     return requests, [plain.generate([r])[0].tokens for r in tqdm(requests, desc="reference", unit="prompt")]
 
 
-def solo_engine(model, drafter, budget, positions: int):
+def solo_engine(model, drafter, budget, positions: int, lookup: bool = False):
     """The engine's step loop for one request at a time, with a KV pool for `positions` tokens
     (one request alone runs exactly as it would in a batch, up to fp32 summation order)."""
-    return Scheduler.local(model, drafter, budget, BatchLimits(max_num_seqs=1, kv_cache_tokens=positions + 2 * 129))
+    return Scheduler.local(model, drafter, budget, BatchLimits(max_num_seqs=1, kv_cache_tokens=positions + 2 * 129),
+                           lookup=lookup)
 
 
 @torch.no_grad()
@@ -63,10 +67,11 @@ def _drafts_along(target: LoadedTarget, drafter, prompt: list[int], output: list
     return drafts
 
 
-def _rounds(drafts: list[Candidates], output: list[int], budget) -> int:
+def _rounds(drafts: list[Candidates], output: list[int], budget, lookup: SequenceLookup | None = None) -> int:
     """Rounds greedy speculation takes to emit `output` after its first token: each round grows
     the tree from the drafts at the bonus, accepts the deepest path matching the output (the
     target's own continuation) and moves past it and the new bonus -- as the engine's walk does.
+    `lookup`: the sequence's lookup state over its prompt; each tree then holds its branch.
 
     Example, chain: output [5, 9, 2, 7, 3]; at i = 0 (bonus 5) the drafts are 9, 2, 8: the
     path 5 -> 9 -> 2 matches, 8 does not (the target says 7), so the round emits 9, 2 and the
@@ -74,35 +79,54 @@ def _rounds(drafts: list[Candidates], output: list[int], budget) -> int:
     emits the bonus 3, i = 4 = the last token: 2 rounds for the 4 tokens after the first."""
     k = 1 if budget == "chain" else budget  # candidates per depth, as the engine asks for
     i, rounds, n = 0, 0, len(output)
+    start = len(lookup.index.tokens) if lookup is not None else 0
     while i + 1 < n:
         c = drafts[i]
+        branch = None
+        if lookup is not None:  # the index holds the prompt and the output up to the bonus
+            lookup.index.extend(output[len(lookup.index.tokens) - start : i + 1])
+            branch = lookup.propose()
         tree = grow_tree(output[i], Candidates([lp[:k] for lp in c.logprobs], [t[:k] for t in c.tokens]),
-                         len(c.tokens) if budget == "chain" else budget)
+                         len(c.tokens) if budget == "chain" else budget, branch)
         choice = torch.tensor([output[i + d + 1] if i + d + 1 < n else -1 for d in tree.depths.tolist()])
-        i += len(walk_tree(tree, choice).path)
+        path = walk_tree(tree, choice).path
+        if lookup is not None:
+            lookup.observe(tree, path)
+        i += len(path)
         rounds += 1
     return rounds
 
 
 def eval_drafter(target: LoadedTarget, drafter, prompts: list[str], max_tokens: int, budgets: list,
-                 engine: bool = False) -> dict:
-    """Held-out tau per budget and top-1 accuracy per block position, greedy.
+                 engine: bool = False, lookup: bool = False) -> dict:
+    """Held-out tau per budget and top-1 accuracy per block position, greedy; with `lookup`,
+    also tau at every tree budget with lookup branches (keys "N+lookup"; not the chain, which
+    stays vanilla DFlash).
 
     A round's accepted length is the deepest tree path matching the target's own continuation,
     so tau follows from that continuation and the drafts along it (one plain decode per prompt,
-    then no verification at all). `engine=True` instead runs every budget through the engine
-    (slow; it also checks the output is the target's) -- the two agree: see the tests."""
+    then no verification at all). `engine=True` instead runs every budget through the engine,
+    the prompts one after another through one engine per setting (slow; it also checks the
+    output is the target's) -- the two agree: see the tests."""
     requests, outputs = reference_continuations(target, prompts, max_tokens)
     if not engine:
-        return drafts_report(target, drafter, requests, outputs, budgets)
+        return drafts_report(target, drafter, requests, outputs, budgets, lookup)
     report = drafts_report(target, drafter, requests, outputs, [])
-    rounds = dict.fromkeys(map(str, budgets), 0)
-    for b in budgets:
+    settings = [(b, False) for b in budgets] + [(b, True) for b in budgets if lookup and b != "chain"]
+    rounds = {setting_key(b, on): 0 for b, on in settings}
+    positions = max(len(r.prompt) for r in requests) + max_tokens
+    for b, on in settings:
+        solo = solo_engine(target.model, drafter, b, positions, lookup=on)
         for req, output in zip(requests, outputs):
-            result = solo_engine(target.model, drafter, b, len(req.prompt) + max_tokens).generate([req])[0]
+            result = solo.generate([req])[0]
             assert result.tokens == output, "speculation changed a token: not lossless"
-            rounds[str(b)] += len(result.rounds)
+            rounds[setting_key(b, on)] += len(result.rounds)
     return report | {"tau": _tau(outputs, rounds)}
+
+
+def setting_key(budget, lookup: bool) -> str:
+    """A report's key for a budget: "8", "chain", "8+lookup"."""
+    return f"{budget}+lookup" if lookup else str(budget)
 
 
 def _tau(outputs: list[list[int]], rounds: dict) -> dict:
@@ -111,12 +135,16 @@ def _tau(outputs: list[list[int]], rounds: dict) -> dict:
     return {b: emitted / r if r else 0.0 for b, r in rounds.items()}
 
 
-def drafts_report(target: LoadedTarget, drafter, requests, outputs: list[list[int]], budgets: list) -> dict:
+def drafts_report(target: LoadedTarget, drafter, requests, outputs: list[list[int]], budgets: list,
+                  lookup: bool = False) -> dict:
     """tau per budget by walking the drafts along the reference `outputs`, and top-1 accuracy
-    per block position over every position of them."""
+    per block position over every position of them; with `lookup`, also per tree budget with
+    lookup branches (one engine-wide calibration per budget, learning over the prompts in order)."""
     k = max([1] + [b for b in budgets if b != "chain"])
     hits, counts = [0] * (drafter.block_size - 1), [0] * (drafter.block_size - 1)
-    rounds = dict.fromkeys(map(str, budgets), 0)
+    settings = [(b, False) for b in budgets] + [(b, True) for b in budgets if lookup and b != "chain"]
+    rounds = {setting_key(b, on): 0 for b, on in settings}
+    calibrations = {b: LookupCalibration(BATCH_DECAY) for b, on in settings if on}
     for req, output in tqdm(list(zip(requests, outputs)), desc="eval", unit="prompt"):
         drafts = _drafts_along(target, drafter, req.prompt, output, k)
         for i, c in enumerate(drafts):
@@ -124,6 +152,7 @@ def drafts_report(target: LoadedTarget, drafter, requests, outputs: list[list[in
                 if i + d < len(output):
                     hits[d - 1] += ts[0] == output[i + d]
                     counts[d - 1] += 1
-        for b in budgets:
-            rounds[str(b)] += _rounds(drafts, output, b)
+        for b, on in settings:
+            state = SequenceLookup(list(req.prompt), calibrations[b]) if on else None
+            rounds[setting_key(b, on)] += _rounds(drafts, output, b, state)
     return {"tau": _tau(outputs, rounds), "accuracy": [h / c if c else 0.0 for h, c in zip(hits, counts)], "prompts": len(requests)}
