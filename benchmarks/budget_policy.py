@@ -13,7 +13,7 @@ auto's granted-budget distribution and predicted vs realized accepted tokens.
 
     python benchmarks/budget_policy.py [--concurrency 1,4,16,64] [--budgets 0,4,8,16,chain]
         [--per-file 4] [--max-tokens 64] [--requests-per-stream 2] [--min-requests 12]
-        [--max-requests 64] [--warm-up 12] [--json out.json]
+        [--max-requests 64] [--warm-up 12] [--lookup] [--json out.json]
 """
 
 from __future__ import annotations
@@ -53,13 +53,15 @@ def main() -> None:
                         help="auto requests run first, 4 streams, 32 tokens: the policy's state is a running server's")
     parser.add_argument("--max-step-tokens", type=int, default=1024)
     parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=False,
+                        help="the engine's lookup-branch default, for auto and every fixed budget alike")
     parser.add_argument("--json")
     args = parser.parse_args()
 
     levels = [int(c) for c in args.concurrency.split(",")]
     budgets = ["auto"] + [parse_budget(b) for b in args.budgets.split(",")]
     config = ModelPairConfig(model=args.model, budget="auto", max_num_seqs=max(levels),
-                             max_step_tokens=args.max_step_tokens)
+                             max_step_tokens=args.max_step_tokens, lookup=args.lookup)
     started = time.perf_counter()
     engine = Engine.from_config(config)
     print(f"engine ready in {time.perf_counter() - started:.1f} s; T(r) ms: "

@@ -74,6 +74,12 @@ PANELS: tuple[PanelSpec, ...] = (
           "depth {{depth}}"),),
     ),
     PanelSpec(
+        "Accepted tokens by source", "short",
+        "Drafted tokens accepted per second, by who proposed them: the drafter, the lookup branch "
+        "(prompt lookup, no drafter work) or both at the same place.",
+        ((_rate("ray_ddtree_accepted_tokens_by_source_total", "source"), "{{source}}"),),
+    ),
+    PanelSpec(
         "Granted budget", "short",
         "Drafted nodes granted per round, p50 / p90 / p99: 0 is plain decoding. Under budget auto "
         "the policy grants what maximizes the batch's tokens/s for this step's load.",

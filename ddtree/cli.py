@@ -241,12 +241,32 @@ def _load_bench(args: argparse.Namespace, config, budgets: list) -> int:
     return 0
 
 
+def parse_mix(text: str) -> dict[str, float]:
+    """'code=0.4,chat=0.4,math=0.2' -> {'code': 0.4, ...}; the domains data.OPENERS knows."""
+    from .training.data import OPENERS
+
+    mix = {}
+    for part in text.split(","):
+        domain, _, share = part.partition("=")
+        domain = domain.strip()
+        if domain not in OPENERS:
+            raise argparse.ArgumentTypeError(f"unknown domain {domain!r}; known: {', '.join(OPENERS)}")
+        try:
+            mix[domain] = float(share)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r}: give domain=share, e.g. code=0.4") from None
+    if sum(mix.values()) <= 0 or min(mix.values()) < 0:
+        raise argparse.ArgumentTypeError("shares must be >= 0 and not all 0")
+    return mix
+
+
 def _train_drafter(args: argparse.Namespace) -> int:
     import time
 
     import torch
 
     from .training import TrainConfig, stage_data, stage_export, stage_train
+    from .training.data import DEFAULT_HELD_OUT
     from .workers.drafter import default_target_layer_ids
     from .workers.loading import load_target
 
@@ -259,7 +279,8 @@ def _train_drafter(args: argparse.Namespace) -> int:
     stages = ["data", "train", "export"] if args.stage == "all" else [args.stage]
     if "data" in stages:
         stage_data(target, workdir, args.prompts or [], args.limit_per_file, args.self_prompts, layers,
-                   args.max_tokens, args.batch, args.seed)
+                   args.max_tokens, args.batch, args.seed, mix=args.mix,
+                   held_out=args.held_out if args.held_out is not None else DEFAULT_HELD_OUT)
     if "train" in stages:
         deadline = time.time() + 60 * args.minutes if args.minutes else None
         state = stage_train(target, workdir, cfg, layers, deadline)
@@ -288,21 +309,29 @@ def _eval_drafter(args: argparse.Namespace) -> int:
     directory = Path(args.drafter) if args.drafter else default_drafter_path()
     drafter = DFlashDrafter.load(directory, target.model)
     budgets = [parse_budget(b.strip()) for b in args.budgets.split(",")]
-    report = eval_drafter(target, drafter, read_prompts(args.prompts, args.limit), args.max_tokens, budgets,
-                          engine=args.engine, lookup=args.lookup)
-    report |= {"file": Path(args.prompts).name, "max_tokens": args.max_tokens}
-    print(f"{report['prompts']} prompts from {args.prompts}, {args.max_tokens} tokens, greedy")
-    print("| budget | " + " | ".join(report["tau"]) + " |")
-    print("| --- |" + " --- |" * len(report["tau"]))
-    print("| tau | " + " | ".join(f"{t:.2f}" for t in report["tau"].values()) + " |")
-    print("top-1 accuracy per block position: " + ", ".join(f"{a:.2f}" for a in report["accuracy"]))
+    if args.record and len(args.prompts) > 1:
+        print("ddtree eval-drafter: --record stores one file's report; give one --prompts", file=sys.stderr)
+        return 2
+    reports = {}
+    for path in args.prompts:  # one report per file: tau per domain
+        report = eval_drafter(target, drafter, read_prompts(path, args.limit), args.max_tokens, budgets,
+                              engine=args.engine, lookup=args.lookup)
+        reports[Path(path).stem] = report | {"file": Path(path).name, "max_tokens": args.max_tokens}
+    columns = list(next(iter(reports.values()))["tau"])
+    print(f"tau, greedy, {args.max_tokens} tokens, first {args.limit} prompts of each file")
+    print("| prompts | " + " | ".join(columns) + " | top-1 accuracy, positions 1-3 |")
+    print("| --- |" + " --- |" * (len(columns) + 1))
+    for name, report in reports.items():
+        print(f"| {name} ({report['prompts']}) | " + " | ".join(f"{report['tau'][c]:.2f}" for c in columns)
+              + " | " + ", ".join(f"{a:.2f}" for a in report["accuracy"][:3]) + " |")
+    out = next(iter(reports.values())) if len(reports) == 1 else reports
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+            json.dump(out, f, indent=2)
     if args.record:
         record = directory / "eval.json"
         records = json.loads(record.read_text()) if record.is_file() else {}
-        records[args.record] = report
+        records[args.record] = out
         record.write_text(json.dumps(records, indent=2) + "\n")
     return 0
 
@@ -419,8 +448,12 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--prompts", action="append", help="training prompts JSONL (repeatable; never evaluation files)")
     train.add_argument("--limit-per-file", type=int, default=400)
     train.add_argument("--self-prompts", type=int, default=300, help="prompts the target writes itself")
+    train.add_argument("--mix", type=parse_mix, help="shares of the self-written prompts by domain, e.g. "
+                       "code=0.4,chat=0.4,math=0.2 (the default; domains: code, chat, math)")
+    train.add_argument("--held-out", action="append", help="a JSONL whose prompts never enter training "
+                       "(repeatable; default: the judged sets in benchmarks/data)")
     train.add_argument("--max-tokens", type=int, default=160, help="response length")
-    train.add_argument("--batch", type=int, default=16, help="generation batch")
+    train.add_argument("--batch", type=int, default=32, help="sequences generated per forward (and per shard)")
     train.add_argument("--block-size", type=int, default=8)
     train.add_argument("--layers", type=int, default=2)
     train.add_argument("--target-layers", type=int, nargs="+", help="default: 1, middle, last-but-three")
@@ -437,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     train.set_defaults(func=_train_drafter)
 
     ev = sub.add_parser("eval-drafter", help="held-out tau per budget and per-position accuracy")
-    ev.add_argument("--prompts", required=True)
+    ev.add_argument("--prompts", required=True, action="append",
+                    help="held-out prompts JSONL (repeatable: one row of the table per file, i.e. per domain)")
     ev.add_argument("--drafter", help="default: the drafter shipped with the package")
     ev.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
     ev.add_argument("--limit", type=int, default=20)

@@ -82,7 +82,7 @@ class ModelPairConfig(BaseModel):
         "acceptance (README, 'How budget: auto chooses')."
     )
     lookup: bool = Field(
-        False, description="Lookup branches: every draft tree (a budget N or 'auto') also holds the tokens "
+        True, description="Lookup branches: every draft tree (a budget N or 'auto') also holds the tokens "
         "that followed the latest earlier occurrence of the context's last 1-3 tokens (prompt lookup), merged "
         "best-first with a probability calibrated from their measured acceptance: no drafter work, only verify "
         "rows; with 'auto' a sequence that does not draft may verify its lookup branch alone. A request may "

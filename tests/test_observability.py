@@ -265,6 +265,8 @@ def short_load(base: str) -> None:
                                       extra_body={"speculation": {"budget": "chain"}})
     accepting.chat.completions.create(model="accepting", messages=CHAT_SAMPLE, max_tokens=9, temperature=0,
                                       extra_body={"speculation": {"budget": "auto"}})  # the policy's panels
+    accepting.chat.completions.create(model="accepting", messages=CHAT_SAMPLE, max_tokens=9, temperature=0,
+                                      extra_body={"speculation": {"budget": 8, "lookup": True}})
     for _ in range(3):  # errors for the error panel
         httpx.post(base + "/v1/chat/completions", json={"model": "nope", "messages": CHAT_SAMPLE}, timeout=60)
 

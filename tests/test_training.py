@@ -25,6 +25,8 @@ from ddtree.training.train import (
 )
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.loading import load_target
+from ddtree.workers.requests import Request
+from ddtree.workers.scheduler import BatchLimits, Scheduler
 
 LAYERS = (0,)  # the tiny target has 2 layers; the last one cannot be captured (see stage_data)
 
@@ -157,11 +159,30 @@ def test_a_grown_data_plan_keeps_its_shards_and_appends_the_new_prompts(tmp_path
     prompts.write_text("\n".join(json.dumps({"question": f"q{i}"}) for i in range(7)))
     plan = tmp_path / "prompts.json"
     first = plan_prompts(None, plan, [str(prompts)], 3, 0, batch=2, seed=0)
-    assert sorted(m for shard in first for m in shard) == ["q0", "q1", "q2"] and len(first) == 2
+    assert sorted(e["prompt"] for shard in first for e in shard) == ["q0", "q1", "q2"] and len(first) == 2
     grown = plan_prompts(None, plan, [str(prompts)], 6, 0, batch=2, seed=0)
     assert grown[:2] == first
-    assert sorted(m for shard in grown[2:] for m in shard) == ["q3", "q4", "q5"]
+    assert sorted(e["prompt"] for shard in grown[2:] for e in shard) == ["q3", "q4", "q5"]
     assert plan_prompts(None, plan, [str(prompts)], 6, 0, batch=2, seed=0) == grown, "a rerun changes nothing"
+    assert {e["domain"] for shard in grown for e in shard} == {"prompts"}  # a file's prompts: its name
+    assert json.loads(plan.read_text())["mix"] == {"prompts": 6}
+
+
+def test_no_prompt_of_the_judged_sets_is_ever_planned(tmp_path):
+    """The held-out rule: a training file that contains prompts of the judged evaluation sets
+    (benchmarks/data: gsm8k-test, humaneval, vicuna-bench -- every turn) has them left out of
+    the plan, whatever their whitespace; the default held-out files are those sets."""
+    from ddtree.training.data import DEFAULT_HELD_OUT, held_out_texts
+
+    assert all(path.is_file() for path in DEFAULT_HELD_OUT) and len(DEFAULT_HELD_OUT) == 3
+    rows = [json.loads(line) for f in DEFAULT_HELD_OUT for line in f.read_text().splitlines()[:3]]
+    judged = [r.get("question") or r.get("prompt") or r["turns"][-1] for r in rows]
+    assert len(held_out_texts(DEFAULT_HELD_OUT)) == 1319 + 164 + 80  # every row of the three sets
+    mixed = tmp_path / "train.jsonl"
+    mixed.write_text("\n".join(json.dumps({"question": q}) for q in
+                               ["fine 1", judged[0], "fine 2", "  " + judged[4].replace(" ", "  "), judged[8], "fine 3"]))
+    plan = plan_prompts(None, tmp_path / "prompts.json", [str(mixed)], 100, 0, batch=4, seed=0)
+    assert sorted(e["prompt"] for shard in plan for e in shard) == ["fine 1", "fine 2", "fine 3"]
 
 
 def test_learning_rate_warms_up_then_decays_to_a_tenth_and_resumes_where_it_stopped():
@@ -198,3 +219,15 @@ def test_learning_rate_warms_up_then_decays_to_a_tenth_and_resumes_where_it_stop
     opt.load_state_dict(saved["optimizer"])
     sched.load_state_dict(saved["scheduler"])
     assert first + rates(opt, sched, cfg.steps + 1 - 9) == pytest.approx(whole)
+
+
+def test_a_recording_scheduler_decodes_plainly_and_says_so(tiny_checkpoint):
+    """The data stage's scheduler records features of plain decoding only: a tree's rows would
+    record features of tokens that are never committed. A request with a tree is refused."""
+    _, target, _ = tiny_checkpoint("llama", 97)
+    drafter = DFlashDrafter.untrained(target, block_size=4, seed=1)
+    scheduler = Scheduler.local(target, drafter, 0, BatchLimits(max_num_seqs=2), record_features=(0,))
+    with pytest.raises(ValueError, match="budget 0"):
+        scheduler.add(Request([1, 2, 3], 4, budget=8))
+    (result,) = scheduler.generate([Request([1, 2, 3], 5)])
+    assert result.features.shape == (3 + 5 - 1, target.config.hidden_size)

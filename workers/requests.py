@@ -81,6 +81,9 @@ class Result:
     prefill_s: float
     decode_s: float
     rounds: list[RoundStats] = field(default_factory=list)
+    # a recording scheduler's (training data): [len(prompt) + len(tokens) - 1, layers x H] the
+    # target's captured layer outputs at every token but the last
+    features: torch.Tensor | None = None
 
     @property
     def tau(self) -> float:

@@ -143,6 +143,7 @@ class Scheduler:
         decode: Callable[[list[int]], str] | None = None,
         policy: BudgetPolicy | None = None,  # budget "auto" (workers.policy); a fresh one by default
         lookup: bool = False,  # lookup branches in every tree unless a request says otherwise
+        record_features: tuple[int, ...] = (),  # target layers every sequence keeps (Result.features); budget 0 only
     ):
         if limits.max_num_seqs > limits.max_step_tokens:
             raise ValueError(
@@ -154,6 +155,7 @@ class Scheduler:
         self.budget = check_budget(budget, drafter is not None)
         self.policy = policy or BudgetPolicy()
         self.lookup = lookup
+        self.record_features = tuple(record_features)
         self.lookup_calibration = LookupCalibration(LOOKUP_BATCH_DECAY)  # engine-wide, every sequence's prior
         self.pool = PageAllocator(limits.kv_cache_tokens, limits.kv_page_tokens)  # the storage: the target's
         self.target.allocate(self.pool.num_pages, self.pool.page)
@@ -168,10 +170,10 @@ class Scheduler:
     @classmethod
     def local(cls, model, drafter=None, budget: Budget = 0, limits: BatchLimits = BatchLimits(),
               decode: Callable[[list[int]], str] | None = None, policy: BudgetPolicy | None = None,
-              lookup: bool = False) -> "Scheduler":
+              lookup: bool = False, record_features: tuple[int, ...] = ()) -> "Scheduler":
         """Over a TargetModel and an optional Proposer (workers.drafter) in this process."""
         return cls(LocalBatchTarget(model), LocalBatchDrafter(drafter) if drafter is not None else None,
-                   budget, limits, decode, policy, lookup)
+                   budget, limits, decode, policy, lookup, record_features)
 
     # --- the requests' side ---------------------------------------------------------------------
 
@@ -183,6 +185,8 @@ class Scheduler:
         QueueFull when `max_waiting` requests wait already."""
         check_request(request)
         budget = self.check_budget(self.budget if request.budget is None else request.budget)
+        if self.record_features and budget != 0:
+            raise ValueError("a scheduler that records features runs plain decoding (budget 0) only")
         largest = self.pool.pages_for(len(request.prompt) + 1 + self._nodes(budget) + 1)
         if largest > self.pool.num_pages:
             raise ValueError(
@@ -296,7 +300,7 @@ class Scheduler:
         if not seq.output:  # a fresh sequence: its first token; a recomputed one has its bonus
             seq.output.append(int(out.choices[0, 0]))
             seq.finish_reason, seq.text = check_stop(seq.request, seq.output, self.decode)
-        if capture and not seq.drafting:
+        if capture and seq.budget != 0 and not seq.drafting:
             slots = len(seq.request.prompt) + seq.request.max_tokens + self.drafter.block_size + 1
             self.drafter.open(seq.id, slots)
             seq.drafting = True
@@ -305,6 +309,8 @@ class Scheduler:
         return True
 
     def _capture(self, seq: _Sequence) -> tuple[int, ...]:
+        if self.record_features:
+            return self.record_features
         return tuple(self.drafter.target_layer_ids) if seq.budget != 0 else ()
 
     def _nodes(self, budget: Budget) -> int:
@@ -374,7 +380,8 @@ class Scheduler:
         dev = self.target.device
         batch = TreeBatch.of(trees, q_len, dev)
         meta = tree_metadata(batch, torch.tensor([s.length for s in rows], dtype=torch.int64, device=dev))
-        capture = tuple(self.drafter.target_layer_ids) if any(s.budget != 0 for s in rows) else ()
+        capture = self.record_features or (
+            tuple(self.drafter.target_layer_ids) if any(s.budget != 0 for s in rows) else ())
         out = self.target.forward(TargetBatch(
             tokens=batch.tokens, positions=meta.positions, mask=TreeBits(meta.bits),
             tables=[s.pages for s in rows], lengths=[s.length for s in rows], capture=capture, logits_to_keep=0,
@@ -404,7 +411,7 @@ class Scheduler:
             path = paths[b, :n]
             seq.length += n
             self.pool.shrink(seq.pages, seq.length + 1)
-            if out.features is not None and seq.budget != 0:
+            if out.features is not None and (seq.budget != 0 or self.record_features):
                 seq.features.append(out.features[b : b + 1, path])
             before = len(seq.output)
             seq.output.extend(tree.tokens[path[1:]].tolist() + [bonus[b]])
@@ -486,6 +493,8 @@ class Scheduler:
             now = time.perf_counter()
             result = Result(seq.output, seq.text, seq.finish_reason, seq.seed, seq.prefill_s,
                             now - seq.decode_started if seq.decode_started else 0.0, seq.rounds)
+            if self.record_features:  # every committed token's, in order (the last, pending, has none yet)
+                result.features = torch.cat(seq.features, dim=1)[0]
         return Update(new, seq.rounds[-1] if seq.rounds else None, result)
 
     def _retire(self, seq: _Sequence) -> None:

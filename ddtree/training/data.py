@@ -1,9 +1,16 @@
 """Stage 1 of `ddtree train-drafter`: the training data.
 
-The prompts come from JSONL files and from the target itself (`self_prompts`); `plan_prompts`
-fixes which prompts go in which shard (data/prompts.json), so a rerun makes the same shards and
-a grown run only appends. Each shard holds the target's greedy responses to one batch of prompts
-and the outputs of its layers `target_layer_ids` at every token, captured during generation:
+The prompts come from JSONL files (their domain is the file's name, e.g. gsm8k-train) and from
+the target itself (`self_prompts`: user messages it writes after an opener of a domain -- code,
+chat, math -- in the proportions of `mix`). `plan_prompts` fixes which prompts go in which shard
+(data/prompts.json, which also records each prompt's domain and the mix), so a rerun makes the
+same shards and a grown run only appends. No prompt of the held-out files (the judged
+evaluation sets, `DEFAULT_HELD_OUT`) is ever planned.
+
+The target answers through the engine's own step loop -- continuous batching, plain greedy
+decoding, `batch` sequences per forward -- and the scheduler records the outputs of layers
+`target_layer_ids` at every token as it goes (Scheduler(record_features=...)). Each shard holds
+one batch of prompts:
 
     data/shard-00000.safetensors: tokens [T] int32 (prompt + response, every sequence of the
     shard end to end), features [T, len(layer_ids) * H] fp16, offsets [S+1] int64 (sequence s is
@@ -16,6 +23,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -23,128 +31,208 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from ..bench import read_prompts
+from ..config import SamplingParams
 from ..engine import default_chat_template_kwargs
 from ..workers.drafter import check_target_layer_ids
 from ..workers.loading import LoadedTarget
+from ..workers.requests import Request
+from ..workers.scheduler import BatchLimits, Scheduler
 
-OPENERS = (
-    "Write a Python function", "Explain", "How do I", "Solve", "What is", "Write a short story",
-    "Give me tips", "Compare", "Write a SQL query", "Calculate", "Why does", "Summarize",
-    "Write a JavaScript", "Translate", "Describe", "If a train",
-)
+# What the target is asked to continue, per domain, when it writes its own prompts.
+OPENERS = {
+    "code": (
+        "Write a Python function", "Complete this Python function:\n\n```python\ndef ", "Write a JavaScript function",
+        "Write a SQL query", "Fix the bug in this Python code:\n\n```python\n", "Implement a Python class",
+        "Write a Python script that", "Explain what this Python code does:\n\n```python\n",
+    ),
+    "chat": (
+        "Explain", "How do I", "Write a short story", "Give me tips", "Compare", "Why does", "Summarize",
+        "Translate", "Describe", "Write an email", "What are the pros and cons of", "Write a poem",
+    ),
+    "math": ("Solve", "Calculate", "If a train", "What is"),
+}
+DEFAULT_MIX = {"code": 0.4, "chat": 0.4, "math": 0.2}  # the self-written prompts' shares by domain
+SELF_PROMPT_TOKENS = 48  # a self-written prompt's length at most
+# The judged evaluation sets: nothing of theirs may enter training (read when this checkout has them).
+BENCHMARK_DATA = Path(__file__).resolve().parents[2] / "benchmarks" / "data"
+DEFAULT_HELD_OUT = tuple(BENCHMARK_DATA / f for f in ("gsm8k-test.jsonl", "humaneval.jsonl", "vicuna-bench.jsonl"))
 
 
+def held_out_texts(paths) -> set[str]:
+    """Every user message of the held-out files (question, prompt, every turn), whitespace-normalized."""
+    texts = set()
+    for path in paths:
+        path = Path(path)
+        if not path.is_file():
+            continue
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                for text in [row.get("question"), row.get("prompt"), *(row.get("turns") or [])]:
+                    if text:
+                        texts.add(_normal(text))
+    return texts
 
-def self_prompts(target: LoadedTarget, count: int, seed: int, batch: int = 16, max_tokens: int = 48) -> list[str]:
-    """User messages the target writes itself: the chat template up to the user's content plus
-    an opener, then sampled at temperature 1 until the turn ends."""
-    from transformers import AutoModelForCausalLM
 
+def _normal(text: str) -> str:
+    return " ".join(text.split())
+
+
+def recording_scheduler(target: LoadedTarget, batch: int, positions: int, layer_ids=(), waiting: int | None = None
+                        ) -> Scheduler:
+    """The engine's step loop for plain decoding of `batch` sequences at once, each of at most
+    `positions` tokens, recording the outputs of `layer_ids` (none: text only); `waiting`
+    requests may queue behind them (default: one more batch)."""
+    limits = BatchLimits(max_num_seqs=batch, max_waiting=batch if waiting is None else waiting, max_prefill_tokens=512,
+                         max_step_tokens=max(1024, batch), kv_cache_tokens=batch * (positions + 16))
+    return Scheduler.local(target.model, None, 0, limits, record_features=tuple(layer_ids))
+
+
+def self_prompts(target: LoadedTarget, counts: dict[str, int], seed: int, batch: int = 32) -> list[dict]:
+    """User messages the target writes itself, `counts[domain]` per domain: the chat template up
+    to the user's content plus an opener of the domain, then sampled (temperature 1, top-p 0.95,
+    seeded) until the turn ends. Returns {"prompt", "domain"} entries."""
     tok = target.tokenizer
     marker = "\u2063"
     rendered = tok.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
     opening = rendered[: rendered.index(marker)]
-    hf = AutoModelForCausalLM.from_pretrained(target.directory, dtype=torch.float32).eval()
-    tok.padding_side = "left"
-    torch.manual_seed(seed)
+    wanted = [(domain, OPENERS[domain][i % len(OPENERS[domain])]) for domain, n in counts.items() for i in range(n)]
     out = []
-    with tqdm(total=count, desc="self-prompts", unit="prompt") as bar:
-        while len(out) < count:
-            openers = [OPENERS[(len(out) + i) % len(OPENERS)] for i in range(batch)]
-            enc = tok([opening + o for o in openers], return_tensors="pt", padding=True, add_special_tokens=False)
-            with torch.inference_mode():
-                gen = hf.generate(**enc, max_new_tokens=max_tokens, do_sample=True, temperature=1.0, top_p=0.95,
-                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
-            for opener, row in zip(openers, gen[:, enc["input_ids"].shape[1]:]):
-                text = (opener + tok.decode(row, skip_special_tokens=True)).strip()
+    with tqdm(total=len(wanted), desc="self-prompts", unit="prompt") as bar:
+        attempt = 0
+        while wanted:
+            requests = [Request(tok.encode(opening + opener, add_special_tokens=False), SELF_PROMPT_TOKENS,
+                                eos_token_ids=(tok.eos_token_id,),
+                                sampling=SamplingParams(temperature=1.0, top_p=0.95, seed=seed + attempt * 100_003 + i))
+                        for i, (_, opener) in enumerate(wanted)]
+            longest = max(len(r.prompt) for r in requests) + SELF_PROMPT_TOKENS
+            results = recording_scheduler(target, batch, longest, waiting=len(requests)).generate(requests)
+            retry = []
+            for (domain, opener), result in zip(wanted, results):
+                text = (opener + tok.decode(result.tokens, skip_special_tokens=True)).strip()
                 if len(text) > len(opener) + 8:
-                    out.append(text)
-            bar.update(min(batch, count - bar.n))
-    return out[:count]
+                    out.append({"prompt": text, "domain": domain})
+                    bar.update(1)
+                else:  # too short to be a message: sampled again with the next seeds
+                    retry.append((domain, opener))
+            wanted, attempt = retry, attempt + 1
+    return out
 
 
-@torch.inference_mode()
-def generate_shard(hf, tok, messages: list[str], layer_ids, max_tokens: int, chat_kwargs: dict | None = None) -> dict:
-    """Greedy responses to `messages` in one batch, with the target's features captured during
-    generation (the hidden states transformers returns at each step). Returns flat tensors.
-    `chat_kwargs`: the chat template's variables (the engine's default for the target)."""
-    rendered = [tok.apply_chat_template([{"role": "user", "content": m}], tokenize=False, add_generation_prompt=True,
-                                        **(chat_kwargs or {}))
-                for m in messages]
-    enc = tok(rendered, return_tensors="pt", padding=True, add_special_tokens=False)
-    out = hf.generate(**enc, max_new_tokens=max_tokens, do_sample=False, output_hidden_states=True,
-                      return_dict_in_generate=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
-    pad = enc["input_ids"].shape[1]
-    steps = out.hidden_states  # step 0: [B, pad, H] per layer; step t: [B, 1, H]
-    feats = torch.cat([torch.cat([step[i + 1] for i in layer_ids], dim=-1) for step in steps], dim=1)
+def render_prompt(tok, message: str, chat_kwargs: dict) -> list[int]:
+    text = tok.apply_chat_template([{"role": "user", "content": message}], tokenize=False, add_generation_prompt=True,
+                                   **chat_kwargs)
+    return tok.encode(text, add_special_tokens=False)
+
+
+def shard_tensors(requests: list[Request], results) -> dict:
+    """One shard's flat tensors (module docstring) from recorded results."""
     tokens, features, offsets, starts = [], [], [0], []
-    for row in range(len(messages)):
-        real = int(enc["attention_mask"][row].sum())
-        response = out.sequences[row, pad:].tolist()
-        if tok.eos_token_id in response:
-            response = response[: response.index(tok.eos_token_id) + 1]
-        seq = out.sequences[row, pad - real : pad + len(response)]
+    for request, result in zip(requests, results):
+        seq = request.prompt + result.tokens
         # features exist for every token but the last (no step consumed it)
-        f = feats[row, pad - real : pad + len(response) - 1]
-        tokens.append(seq[:-1])
-        features.append(f.to(torch.float16))
-        starts.append(real)
+        assert result.features.shape[0] == len(seq) - 1
+        tokens.append(torch.tensor(seq[:-1], dtype=torch.int32))
+        features.append(result.features.to(torch.float16))
+        starts.append(len(request.prompt))
         offsets.append(offsets[-1] + len(seq) - 1)
     return {
-        "tokens": torch.cat(tokens).to(torch.int32),
+        "tokens": torch.cat(tokens),
         "features": torch.cat(features),
         "offsets": torch.tensor(offsets, dtype=torch.int64),
         "response_starts": torch.tensor(starts, dtype=torch.int64),
     }
 
 
-def plan_prompts(target: LoadedTarget, plan: Path, prompt_files: list[str], limit_per_file: int,
-                 self_prompt_count: int, batch: int, seed: int) -> list[list[str]]:
-    """The prompts of every data shard, kept in `plan` so a rerun makes the same shards. A rerun
-    that asks for more (a larger --limit-per-file or --self-prompts) appends shards for the new
-    prompts only; the finished shards and their prompts stay as they are."""
-    shards = json.loads(plan.read_text())["shards"] if plan.is_file() else []
-    planned = {m for shard in shards for m in shard}
-    from_files = [m for f in prompt_files for m in read_prompts(f, limit_per_file)]
-    file_set = set(from_files)
-    new = list(dict.fromkeys(m for m in from_files if m not in planned))
-    have_self = sum(1 for m in planned if m not in file_set)
-    if self_prompt_count > have_self:
-        new += self_prompts(target, self_prompt_count - have_self, seed + len(planned))
+def _split(count: int, mix: dict[str, float]) -> dict[str, int]:
+    """`count` by the shares of `mix` (largest remainders), e.g. 10 by {a: .5, b: .3, c: .2} -> 5, 3, 2."""
+    total = sum(mix.values())
+    exact = {d: count * w / total for d, w in mix.items()}
+    out = {d: int(x) for d, x in exact.items()}
+    for d in sorted(exact, key=lambda d: out[d] - exact[d])[: count - sum(out.values())]:
+        out[d] += 1
+    return out
+
+
+def plan_prompts(target: LoadedTarget | None, plan: Path, prompt_files: list[str], limit_per_file: int,
+                 self_prompt_count: int, batch: int, seed: int, mix: dict[str, float] | None = None,
+                 held_out=DEFAULT_HELD_OUT) -> list[list[dict]]:
+    """The prompts of every data shard ({"prompt", "domain"} entries), kept in `plan` so a rerun
+    makes the same shards. A rerun that asks for more (a larger --limit-per-file or
+    --self-prompts) appends shards for the new prompts only; the finished shards and their
+    prompts stay as they are. A prompt of a `held_out` file is never planned."""
+    mix = mix or DEFAULT_MIX
+    saved = json.loads(plan.read_text()) if plan.is_file() else {}
+    shards = saved.get("shards", [])
+    planned = {e["prompt"] for shard in shards for e in shard}
+    forbidden = held_out_texts(held_out)
+    from_files = [{"prompt": m, "domain": Path(f).stem} for f in prompt_files for m in read_prompts(f, limit_per_file)]
+    dropped = [e for e in from_files if _normal(e["prompt"]) in forbidden]
+    if dropped:
+        print(f"data plan: {len(dropped)} prompts of the training files are in the held-out files; left out")
+    new = list({e["prompt"]: e for e in from_files
+                if e["prompt"] not in planned and _normal(e["prompt"]) not in forbidden}.values())
+    file_prompts = {e["prompt"] for e in from_files}
+    have = {d: sum(1 for shard in shards for e in shard if e["domain"] == d and e["prompt"] not in file_prompts)
+            for d in mix}
+    wanted = {d: n - have[d] for d, n in _split(self_prompt_count, mix).items() if n > have[d]}
+    if wanted:
+        written = self_prompts(target, wanted, seed + len(planned))
+        new += [e for e in written if e["prompt"] not in planned and _normal(e["prompt"]) not in forbidden]
     if new:
         random.Random(seed + len(planned)).shuffle(new)
         shards += [new[i : i + batch] for i in range(0, len(new), batch)]
+        domains: dict[str, int] = {}
+        for e in (e for shard in shards for e in shard):
+            domains[e["domain"]] = domains.get(e["domain"], 0) + 1
         tmp = plan.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"shards": shards}))
+        tmp.write_text(json.dumps({"mix": domains, "self_prompt_shares": mix, "shards": shards}))
         tmp.replace(plan)
     return shards
 
 
 def stage_data(target: LoadedTarget, workdir: Path, prompt_files: list[str], limit_per_file: int,
-               self_prompt_count: int, layer_ids, max_tokens: int, batch: int, seed: int) -> None:
-    from transformers import AutoModelForCausalLM
-
+               self_prompt_count: int, layer_ids, max_tokens: int, batch: int, seed: int,
+               mix: dict[str, float] | None = None, held_out=DEFAULT_HELD_OUT) -> None:
+    """Plans the prompts, then generates every shard not on disk yet through one recording
+    scheduler: the next shards' prompts join as places free up, and a shard is written as soon
+    as its last sequence ends (resumable: finished shards stay)."""
     check_target_layer_ids(layer_ids, target.model.config.num_hidden_layers)
     data = workdir / "data"
     data.mkdir(parents=True, exist_ok=True)
-    shards = plan_prompts(target, data / "prompts.json", prompt_files, limit_per_file, self_prompt_count, batch, seed)
-    hf = AutoModelForCausalLM.from_pretrained(target.directory, dtype=torch.float32).eval()
+    shards = plan_prompts(target, data / "prompts.json", prompt_files, limit_per_file, self_prompt_count, batch, seed,
+                          mix, held_out)
     tok = target.tokenizer
-    tok.padding_side = "left"
+    chat = default_chat_template_kwargs(target.directory)
+    todo = [i for i in range(len(shards)) if not (data / f"shard-{i:05d}.safetensors").is_file()]
+    requests = {i: [Request(render_prompt(tok, e["prompt"], chat), max_tokens, eos_token_ids=(tok.eos_token_id,))
+                    for e in shards[i]] for i in todo}
+    longest = max((len(r.prompt) for rs in requests.values() for r in rs), default=0) + max_tokens
+    scheduler = recording_scheduler(target, batch, longest, layer_ids)
+    queue = deque((i, j) for i in todo for j in range(len(requests[i])))
+    where: dict[int, tuple[int, int]] = {}  # sequence id -> (shard, index in the shard)
+    results = {i: [None] * len(requests[i]) for i in todo}
+    left = {i: len(requests[i]) for i in todo}
     done_tokens, started = 0, time.perf_counter()
-    with tqdm(total=len(shards), desc="data", unit="batch") as bar:
-        for i, chunk in enumerate(shards):
-            path = data / f"shard-{i:05d}.safetensors"
-            if path.is_file():  # resumable: finished shards stay
-                bar.update(1)
-                continue
-            shard = generate_shard(hf, tok, chunk, layer_ids, max_tokens, default_chat_template_kwargs(target.directory))
-            tmp = path.with_suffix(".tmp")
-            save_file(shard, str(tmp))
-            tmp.replace(path)
-            done_tokens += int(shard["tokens"].numel())
+    with tqdm(total=len(shards), initial=len(shards) - len(todo), desc="data", unit="shard") as bar:
+        while queue or where:
+            while queue and len(where) < 2 * batch:  # places, and one batch waiting behind them
+                i, j = queue.popleft()
+                where[scheduler.add(requests[i][j])] = (i, j)
+            for seq_id, update in scheduler.step():
+                done_tokens += len(update.new_tokens)
+                if update.result is None:
+                    continue
+                i, j = where.pop(seq_id)
+                results[i][j] = update.result
+                left[i] -= 1
+                if left[i] == 0:
+                    path = data / f"shard-{i:05d}.safetensors"
+                    tmp = path.with_suffix(".tmp")
+                    save_file(shard_tensors(requests[i], results.pop(i)), str(tmp))
+                    tmp.replace(path)
+                    bar.update(1)
             bar.set_postfix(tokens=done_tokens, tok_s=f"{done_tokens / (time.perf_counter() - started):.0f}")
-            bar.update(1)
 
 
 def load_sequences(workdir: Path) -> list[tuple[torch.Tensor, torch.Tensor, int]]:
