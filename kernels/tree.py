@@ -151,7 +151,7 @@ def grow_tree(root_token: int, candidates: Candidates | None, budget: int, looku
     if budget <= 0 or (depth_count == 0 and not chain):
         return Tree.root_only(root_token)
     k = len(lp[0]) if depth_count else 0
-    drafted = [set(ts) for ts in tok]  # per depth: the drafter's candidate tokens
+    drafted = [set(ts) for ts in tok] if lookup is not None else []  # per depth: the drafter's candidate tokens
 
     tokens, parents, depths, scores, sources = [root_token], [-1], [0], [0.0], [0]
     placed: dict[tuple[int, int], int] = {}  # (parent, token) -> node
@@ -187,10 +187,11 @@ def grow_tree(root_token: int, candidates: Candidates | None, budget: int, looku
         parents.append(parent)
         depths.append(depth)
         scores.append(-neg_score)
-        if parent in on_chain and depth <= len(chain) and chain[depth - 1] == token:
-            on_chain[node] = depth
-        sources.append((DRAFTER if depth <= depth_count and token in drafted[depth - 1] else 0)
-                       | (LOOKUP if node in on_chain else 0))
+        if lookup is not None:
+            if parent in on_chain and depth <= len(chain) and chain[depth - 1] == token:
+                on_chain[node] = depth
+            sources.append((DRAFTER if depth <= depth_count and token in drafted[depth - 1] else 0)
+                           | (LOOKUP if node in on_chain else 0))
         expand(node)
     return Tree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.tensor(scores, dtype=torch.float64),
                 torch.tensor(sources) if lookup is not None else None)

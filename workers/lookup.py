@@ -17,9 +17,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from ..kernels.tree import LOOKUP, Lookup, Tree
+from .requests import accepted_sources
 
 MAX_NGRAM = 3  # the longest context suffix matched
 LOOKUP_TOKENS = 10  # the chain's length at most (the tree's budget cuts it further)
@@ -117,19 +116,23 @@ def chain_outcome(tree: Tree, path: list[int]) -> tuple[int, int]:
     path from the root, so the accepted path follows it from the root and leaves it at most once."""
     if tree.sources is None:
         return 0, 0
-    on_chain = (tree.sources & LOOKUP) != 0
-    return int(on_chain.sum()), int(on_chain[torch.tensor(path[1:], dtype=torch.long)].sum()) if len(path) > 1 else 0
+    _, lookup_only, both = accepted_sources(tree, path)
+    return int(((tree.sources & LOOKUP) != 0).sum()), lookup_only + both
 
 
 class SequenceLookup:
-    """One sequence's lookup state: the index over its context and its calibration."""
+    """One sequence's lookup state: the index over its prompt and output and its calibration."""
 
-    def __init__(self, context: list[int], engine_wide: LookupCalibration):
-        self.index = NgramIndex(context)
+    def __init__(self, prompt: list[int], engine_wide: LookupCalibration):
+        self.prompt_tokens = len(prompt)
+        self.index = NgramIndex(prompt)
         self.calibration = LookupCalibration(SEQ_DECAY, prior=engine_wide)
         self.last: Lookup | None = None  # the branch proposed for the round in flight
 
-    def propose(self, length: int = LOOKUP_TOKENS) -> Lookup | None:
+    def propose(self, output: list[int], length: int = LOOKUP_TOKENS) -> Lookup | None:
+        """The branch below the pending bonus output[-1]; the index first takes the output
+        tokens it has not seen."""
+        self.index.extend(output[len(self.index.tokens) - self.prompt_tokens :])
         tokens, ngram = self.index.propose(length)
         self.last = self.calibration.branch(tokens, ngram) if tokens else None
         return self.last

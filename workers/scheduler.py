@@ -440,9 +440,7 @@ class Scheduler:
         branches = {}
         for b, seq in enumerate(rows):
             if seq.lookup is not None and seq.drafting:
-                index = seq.lookup.index  # prompt + output so far, the pending bonus last
-                index.extend(seq.output[len(index.tokens) - len(seq.request.prompt):])
-                branch = seq.lookup.propose()
+                branch = seq.lookup.propose(seq.output)
                 if branch is not None:
                     branches[b] = branch
         return branches

@@ -79,13 +79,9 @@ def _rounds(drafts: list[Candidates], output: list[int], budget, lookup: Sequenc
     emits the bonus 3, i = 4 = the last token: 2 rounds for the 4 tokens after the first."""
     k = 1 if budget == "chain" else budget  # candidates per depth, as the engine asks for
     i, rounds, n = 0, 0, len(output)
-    start = len(lookup.index.tokens) if lookup is not None else 0
     while i + 1 < n:
         c = drafts[i]
-        branch = None
-        if lookup is not None:  # the index holds the prompt and the output up to the bonus
-            lookup.index.extend(output[len(lookup.index.tokens) - start : i + 1])
-            branch = lookup.propose()
+        branch = lookup.propose(output[: i + 1]) if lookup is not None else None
         tree = grow_tree(output[i], Candidates([lp[:k] for lp in c.logprobs], [t[:k] for t in c.tokens]),
                          len(c.tokens) if budget == "chain" else budget, branch)
         choice = torch.tensor([output[i + d + 1] if i + d + 1 < n else -1 for d in tree.depths.tolist()])
@@ -112,7 +108,7 @@ def eval_drafter(target: LoadedTarget, drafter, prompts: list[str], max_tokens: 
     if not engine:
         return drafts_report(target, drafter, requests, outputs, budgets, lookup)
     report = drafts_report(target, drafter, requests, outputs, [])
-    settings = [(b, False) for b in budgets] + [(b, True) for b in budgets if lookup and b != "chain"]
+    settings = lookup_settings(budgets, lookup)
     rounds = {setting_key(b, on): 0 for b, on in settings}
     positions = max(len(r.prompt) for r in requests) + max_tokens
     for b, on in settings:
@@ -122,6 +118,12 @@ def eval_drafter(target: LoadedTarget, drafter, prompts: list[str], max_tokens: 
             assert result.tokens == output, "speculation changed a token: not lossless"
             rounds[setting_key(b, on)] += len(result.rounds)
     return report | {"tau": _tau(outputs, rounds)}
+
+
+def lookup_settings(budgets: list, lookup: bool) -> list[tuple]:
+    """(budget, lookup on) for every budget, then with `lookup` every tree budget again with it
+    (the chain stays vanilla DFlash)."""
+    return [(b, False) for b in budgets] + [(b, True) for b in budgets if lookup and b not in (0, "chain")]
 
 
 def setting_key(budget, lookup: bool) -> str:
@@ -142,7 +144,7 @@ def drafts_report(target: LoadedTarget, drafter, requests, outputs: list[list[in
     lookup branches (one engine-wide calibration per budget, learning over the prompts in order)."""
     k = max([1] + [b for b in budgets if b != "chain"])
     hits, counts = [0] * (drafter.block_size - 1), [0] * (drafter.block_size - 1)
-    settings = [(b, False) for b in budgets] + [(b, True) for b in budgets if lookup and b != "chain"]
+    settings = lookup_settings(budgets, lookup)
     rounds = {setting_key(b, on): 0 for b, on in settings}
     calibrations = {b: LookupCalibration(BATCH_DECAY) for b, on in settings if on}
     for req, output in tqdm(list(zip(requests, outputs)), desc="eval", unit="prompt"):
