@@ -394,7 +394,8 @@ def _dashboards(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every subcommand and its flags (the flags of config fields come from the models)."""
     parser = argparse.ArgumentParser(prog="ddtree", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate completions for chat prompts (in-process, or on Ray with --tp N)")
@@ -508,7 +509,11 @@ def main(argv: list[str] | None = None) -> int:
                       help="push: the Prometheus that scrapes Ray, as Grafana reaches it")
     dash.add_argument("--folder-uid", help="push: Grafana folder for the dashboard")
     dash.set_defaults(func=_dashboards)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return args.func(args)
 
 

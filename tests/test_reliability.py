@@ -272,7 +272,7 @@ def test_api_key_required_on_every_route_but_health(apps):
 
 
 def test_api_keys_from_the_environment_and_the_cli(monkeypatch):
-    from ddtree.cli import _ray_init_options, _serve_config
+    from ddtree.cli import _ray_init_options, _serve_config, build_parser
     from ddtree.serve.config import ServeConfig
     from ddtree.serve.openai_api import Guard
 
@@ -283,20 +283,18 @@ def test_api_keys_from_the_environment_and_the_cli(monkeypatch):
     assert not guard.authorized({b"authorization": b"Bearer env-one,"})
     assert not guard.authorized({})
 
-    class Args:
-        config = model = drafter = budget = None
-        api_key = ["flag"]
-        host, metrics_host, metrics_port = "127.0.0.1", None, 8080
+    def serve_args(*flags):
+        """The namespace `ddtree serve` itself parses (a hand-made stand-in once lacked a new flag)."""
+        return build_parser().parse_args(["serve", *flags])
 
-    config = _serve_config(Args)
+    config = _serve_config(serve_args("--api-key", "flag"))
     assert [k.get_secret_value() for k in config.api_key] == ["flag", "env-one", "env-two"]
     assert "flag" not in repr(config) and "env-one" not in str(config.model_dump())
     # Ray's metrics endpoint follows the API onto loopback unless told otherwise
-    assert _ray_init_options(Args)["_node_ip_address"] == "127.0.0.1"
-    Args.host = "0.0.0.0"
-    assert "_node_ip_address" not in _ray_init_options(Args)
-    Args.metrics_host = "127.0.0.1"
-    assert _ray_init_options(Args)["_node_ip_address"] == "127.0.0.1"
+    assert _ray_init_options(serve_args())["_node_ip_address"] == "127.0.0.1"
+    assert "_node_ip_address" not in _ray_init_options(serve_args("--host", "0.0.0.0"))
+    exposed_api = serve_args("--host", "0.0.0.0", "--metrics-host", "127.0.0.1")
+    assert _ray_init_options(exposed_api)["_node_ip_address"] == "127.0.0.1"
     with pytest.raises(ValueError, match="max_budget"):
         ServeConfig(budget=100)
 
