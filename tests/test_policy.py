@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from ddtree.config import SamplingParams
-from ddtree.kernels.tree import build_tree
+from ddtree.kernels.tree import Candidates, Lookup, build_tree, grow_tree
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.policy import (FIRST_PROBE, Acceptance, BudgetPolicy, CostCurve, depth_mass,
-                                   expected_accepted)
+                                   expected_accepted, source_masses)
 from ddtree.workers.requests import Request
 from ddtree.workers.scheduler import BatchLimits, Scheduler
 from ddtree.workers.solo import SoloLoop
@@ -62,12 +62,48 @@ def test_expected_accepted_tokens_of_the_worked_tree():
 def test_acceptance_factor_is_realized_over_predicted_reaches():
     a = Acceptance(decay=1.0)
     assert a.factor(1) == 1.0  # nothing seen: trust the drafter
-    a.observe([1.0, 0.5], accepted=0)
-    a.observe([1.0, 0.5], accepted=1)
+    a.observe([1.0, 0.5], reached=[False, False])
+    a.observe([1.0, 0.5], reached=[True, False])
     # depth 1: 1 reach of 2 predicted, plus the prior's 1 of 1 -> 2 / 3; depth 2: 0 of 1 (+1/1) -> 1/2
     assert a.factor(1) == pytest.approx(2 / 3) and a.factor(2) == pytest.approx(1 / 2)
     seq = Acceptance(decay=1.0, prior=a)
     assert seq.factor(2) == pytest.approx(1 / 2)  # a new sequence starts from the batch's factor
+
+
+def test_a_lookup_chain_is_counted_apart_from_the_drafters_nodes():
+    """With lookup on, the policy's factors c_d once scaled the whole tree's mass and learnt from
+    every accepted depth, the lookup chain's too. At one stream on this CPU, rounds that verified
+    the chain alone then set the drafter's factors from the chain's hit rate, and auto granted no
+    tree in 42% of rounds where a fixed budget 4 with lookup ran 1.39x plain. Now the chain's
+    mass (calibrated from its own acceptance) is added unscaled, and the factors learn only from
+    depths the target's path reached through the drafter's nodes.
+
+    kernels.tree.grow_tree's worked example: root 7; lookup chain [5, 6] at .9, .5; drafter
+    depth 1: 4 (.6), 5 (.3); depth 2: 9 (.8). Budget 3: lookup-and-drafter 5 (.9), drafter
+    5 -> 9 (.72), drafter 4 (.6)."""
+    c = Candidates([[math.log(.6), math.log(.3)], [math.log(.8), math.log(.1)]], [[4, 5], [9, 4]])
+    tree = grow_tree(7, c, 3, Lookup([5, 6], [math.log(.9), math.log(.5)], ngram=2))
+    drafted, chain = source_masses(tree, [1, 3])
+    torch.testing.assert_close(drafted, torch.tensor([[0, 0], [0.6, 0.72]], dtype=torch.float64))
+    torch.testing.assert_close(chain, torch.tensor([[0.9, 0], [0.9, 0]], dtype=torch.float64))
+    # a drafter right half as often as it believes: depth 1 reaches .5 x .6 + .9 -> 1 (capped),
+    # depth 2 .5 x .72
+    half = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    assert float(expected_accepted(drafted[1], half, chain[1])) == pytest.approx(1 + 0.36)
+
+    policy = BudgetPolicy(CostCurve({1: 1.0}))
+    estimate = policy.sequence()
+    # the path 7 -> 5 (chain) -> 9 (drafter): depth 1 was reached on the chain, depth 2 through
+    # the drafter's node; predicted with the factors 1 and the bias 1: min(1, .6 + .9) + .72
+    assert policy.observe_round(estimate, tree, None, [0, 1, 2]) == pytest.approx(1.72)
+    assert estimate.acceptance.hits == [0.0, 1.0] and estimate.acceptance.mass == pytest.approx([0.6, 0.72])
+    assert policy.batch.hits == [0.0, 1.0]
+    # a tree of the chain alone teaches the factors nothing of the drafter
+    alone = grow_tree(7, None, 2, Lookup([5, 6], [math.log(.9), math.log(.5)], ngram=2))
+    before = list(estimate.acceptance.hits)
+    policy.observe_round(estimate, alone, None, [0, 1, 2])
+    assert estimate.acceptance.hits == pytest.approx([h * estimate.acceptance.decay for h in before])
+    assert estimate.acceptance.mass == pytest.approx([0.6 * 0.9, 0.72 * 0.9])
 
 
 def test_a_smaller_budget_grows_the_prefix_of_the_larger_tree():

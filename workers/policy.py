@@ -19,10 +19,13 @@ The model (README, "How budget: auto chooses"):
   nodes at depth d. The drafter is not calibrated, and differently so per sequence (math vs
   chat), so each sequence keeps a factor per depth, c_d = realized / predicted reaches of depth d
   over its recent rounds (shrunk to the batch-wide factor while it has few), and
-      E_s(n) = b * sum_d min(1, c_d * m_d(n))   (the sum made non-increasing in d: a path
-  reaches d only via d-1), where b is the realized / predicted ratio of the recent verified trees
-  (those were chosen because they were predicted to pay, so what optimism the factors leave
-  shows there).
+      E_s(n) = b * sum_d min(1, c_d * m_d(n) + l_d(n))   (the sum made non-increasing in d: a
+  path reaches d only via d-1), where b is the realized / predicted ratio of the recent verified
+  trees (those were chosen because they were predicted to pay, so what optimism the factors
+  leave shows there). With lookup branches, m_d counts the drafter's nodes alone and l_d the
+  mass of the nodes on the lookup chain, whose scores are already calibrated from the chain's
+  measured acceptance (workers.lookup): c_d learns only from the drafter's nodes, so a stretch
+  of trees that are mostly (or only) a lookup chain does not teach it the chain's hit rate.
 
 A step decides twice: before drafting, from each sequence's recent E_s, which sequences draft
 (`plan`); after drafting, from this step's exact E_s, which Q (`choose`). Q = 1 is plain decoding.
@@ -48,7 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import GREEDY
-from ..kernels.tree import Tree
+from ..kernels.tree import LOOKUP, Tree
 from .batch_backends import TargetBatch
 
 EMA = 0.2  # weight of a new observation in the cost curves and in a sequence's gain estimates
@@ -122,9 +125,9 @@ class Acceptance:
     def factors(self, depths: int) -> torch.Tensor:
         return torch.tensor([self.factor(d) for d in range(1, depths + 1)], dtype=torch.float64)
 
-    def observe(self, reach: list[float], accepted: int) -> None:
+    def observe(self, reach: list[float], reached: list[bool]) -> None:
         """One round: `reach[d - 1]` the predicted reach of depth d (before the factors), and
-        the drafted tokens the target accepted."""
+        `reached[d - 1]` whether the target's path reached depth d through a node it counts."""
         grow = len(reach) - len(self.hits)
         if grow > 0:
             self.hits += [0.0] * grow
@@ -134,28 +137,47 @@ class Acceptance:
             self.mass[i] *= self.decay
         for i, m in enumerate(reach):
             self.mass[i] += m
-            self.hits[i] += 1.0 if accepted > i else 0.0
+            self.hits[i] += 1.0 if i < len(reached) and reached[i] else 0.0
 
 
-def depth_mass(tree: Tree, budgets: list[int]) -> torch.Tensor:
-    """[len(budgets), depth] the drafter's probability mass of the tree's first n nodes at each
-    depth, for n in `budgets` (a best-first tree: `Tree.scores` set)."""
+def depth_mass(tree: Tree, budgets: list[int], counted: torch.Tensor | None = None) -> torch.Tensor:
+    """[len(budgets), depth] the probability mass of the tree's first n nodes at each depth, for
+    n in `budgets` (a best-first tree: `Tree.scores` set); only the nodes `counted` ([size]
+    bool) marks, when given."""
     depths = int(tree.depths.max()) if tree.size > 1 else 0
     if depths == 0:
         return torch.zeros(len(budgets), 1, dtype=torch.float64)
     p = tree.scores[1:].exp()
+    if counted is not None:
+        p = p * counted[1:]
     onehot = torch.zeros(tree.size - 1, depths, dtype=torch.float64)
     onehot[torch.arange(tree.size - 1), tree.depths[1:] - 1] = p
     cumulative = torch.cat([torch.zeros(1, depths, dtype=torch.float64), onehot.cumsum(0)])
     return cumulative[torch.tensor([min(n, tree.size - 1) for n in budgets])]
 
 
-def expected_accepted(mass: torch.Tensor, factors: torch.Tensor) -> torch.Tensor:
-    """[...] expected accepted tokens from [..., depth] masses and the factors per depth."""
+def on_chain(tree: Tree) -> torch.Tensor:
+    """[size] bool: the nodes the lookup branch proposed (alone or with the drafter)."""
+    if tree.sources is None:
+        return torch.zeros(tree.size, dtype=torch.bool)
+    return (tree.sources & LOOKUP) != 0
+
+
+def source_masses(tree: Tree, budgets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`depth_mass` of the drafter's own nodes (what the factors c_d scale) and of the lookup
+    chain's (calibrated already), each [len(budgets), depth]."""
+    chain = on_chain(tree)
+    return depth_mass(tree, budgets, ~chain), depth_mass(tree, budgets, chain)
+
+
+def expected_accepted(mass: torch.Tensor, factors: torch.Tensor, calibrated: torch.Tensor | None = None) -> torch.Tensor:
+    """[...] expected accepted tokens from [..., depth] masses and the factors per depth, plus
+    the [..., depth] masses that need no factor (a lookup chain's)."""
     depths = mass.shape[-1]
     f = factors[:depths] if factors.shape[0] >= depths else torch.cat(
         [factors, factors.new_ones(depths - factors.shape[0])])
-    reach = (mass * f).clamp(max=1.0).cummin(dim=-1).values
+    reach = mass * f if calibrated is None else mass * f + calibrated
+    reach = reach.clamp(max=1.0).cummin(dim=-1).values
     return reach.sum(-1)
 
 
@@ -243,8 +265,8 @@ class BudgetPolicy:
 
     def gains(self, tree: Tree, estimate: SequenceEstimate, buckets: list[int]) -> dict[int, float]:
         """This step's expected accepted tokens of `tree`'s first Q - 1 nodes, per bucket Q."""
-        mass = depth_mass(tree, [q - 1 for q in buckets])
-        e = expected_accepted(mass, estimate.acceptance.factors(mass.shape[-1])) * self.bias
+        drafted, chain = source_masses(tree, [q - 1 for q in buckets])
+        e = expected_accepted(drafted, estimate.acceptance.factors(drafted.shape[-1]), chain) * self.bias
         return dict(zip(buckets, e.tolist()))
 
     @property
@@ -265,10 +287,11 @@ class BudgetPolicy:
         return best
 
     def observe_round(self, estimate: SequenceEstimate, tree: Tree, gains: dict[int, float] | None,
-                      accepted: int) -> float:
+                      path: list[int]) -> float:
         """One auto sequence's round: its tree as verified, this step's gains of its full
-        tree (None when it did not draft), what the target accepted. Returns the round's
-        predicted accepted tokens (what the acceptance model said before seeing it)."""
+        tree (None when it did not draft), the target's accepted path (node indices, root
+        first). Returns the round's predicted accepted tokens (what the acceptance model said
+        before seeing it)."""
         if gains is not None:  # it drafted: its gains of this step's tree, whatever Q was chosen
             old = estimate.gain or {}
             estimate.gain = old | {q: old[q] + EMA * (g - old[q]) if q in old else g for q, g in gains.items()}
@@ -278,14 +301,16 @@ class BudgetPolicy:
             self.best_seen |= {q: max(g, self.best_seen.get(q, g)) for q, g in estimate.gain.items()}
         if tree.size == 1:
             return 0.0
-        (mass,) = depth_mass(tree, [tree.size - 1])
-        raw = float(expected_accepted(mass, estimate.acceptance.factors(mass.shape[0])))
+        (drafted,), (chain,) = source_masses(tree, [tree.size - 1])
+        raw = float(expected_accepted(drafted, estimate.acceptance.factors(drafted.shape[0]), chain))
         predicted = raw * self.bias
-        self._bias_hits = BIAS_DECAY * self._bias_hits + accepted
+        self._bias_hits = BIAS_DECAY * self._bias_hits + len(path) - 1
         self._bias_mass = BIAS_DECAY * self._bias_mass + raw
-        reach = mass.tolist()
-        estimate.acceptance.observe(reach, accepted)
-        self.batch.observe(reach, accepted)
+        # the factors learn the drafter's own nodes: depths the path reached off the chain
+        off_chain = (~on_chain(tree)[path[1:]]).tolist()
+        reach = drafted.tolist()
+        estimate.acceptance.observe(reach, off_chain)
+        self.batch.observe(reach, off_chain)
         return predicted
 
     def observe_step(self, batch: int, q: int, verify_s: float, drafting: int, draft_s: float, other_s: float) -> None:

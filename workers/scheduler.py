@@ -421,7 +421,7 @@ class Scheduler:
             per_depth = tuple(torch.bincount(tree.depths)[1:].tolist())
             predicted = None
             if seq.budget == "auto" and seq.estimate is not None:
-                predicted = self.policy.observe_round(seq.estimate, tree, gains.get(b), n - 1)
+                predicted = self.policy.observe_round(seq.estimate, tree, gains.get(b), path.tolist())
                 granted_budget = granted[b]
             elif seq.budget == "chain" and granted[b] == self._nodes("chain"):
                 granted_budget = "chain"
