@@ -1,9 +1,11 @@
 """The target's verify-cost curve T(q)/T(1): one forward of q tree rows after a 300-token cache,
-median over rounds, for each linear backend (ddtree's float_mm, oneDNN, torch's F.linear) interleaved round by
-round in one process, so that a busy machine slows both alike.
+median over rounds, for each linear backend (ddtree's float_mm, oneDNN, torch's F.linear) and
+attention backend (ddtree_cpu.tree_attention, torch's SDPA) interleaved round by round in one
+process, so that a busy machine slows all alike.
 
     python benchmarks/verify_cost.py [--model PATH] [--sizes 1,5,9,17,33] [--rounds 9] [--repeats 1]
-                                     [--linear ddtree,onednn,torch] [--weights float|native]
+                                     [--linear ddtree,onednn,torch] [--attention ddtree,torch]
+                                     [--weights float|native]
 
 --repeats N times N forwards in a row per size and round (after one untimed), as decoding runs
 them back to back; with 1, each timed forward follows other sizes' and backends' forwards, and
@@ -30,13 +32,14 @@ def main() -> None:
     parser.add_argument("--sizes", default="1,5,9,17,33")
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--linear", default="ddtree,onednn", help="linear backends to compare (workers.model.linear)")
+    parser.add_argument("--attention", default="ddtree", help="attention backends to compare (workers.model.ATTENTION_BACKEND)")
     parser.add_argument("--weights", default="float", choices=["float", "native"])
     parser.add_argument("--repeats", type=int, default=1, help="timed forwards in a row per size and round")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sizes = [int(q) for q in args.sizes.split(",")]
-    backends = args.linear.split(",")
+    backends = [f"{linear}/{attention}" for linear in args.linear.split(",") for attention in args.attention.split(",")]
     model = load_target(args.model, torch.float32, weights=args.weights).model
     cache = model.new_cache(1, CONTEXT + max(sizes) + 1)
     ids = torch.randint(0, model.config.vocab_size, (1, CONTEXT), generator=torch.Generator().manual_seed(0))
@@ -46,7 +49,7 @@ def main() -> None:
     times = {(b, q): [] for b in backends for q in sizes}
     for r in range(args.rounds):
         for backend in backends[r % len(backends):] + backends[: r % len(backends)]:  # rotate the order
-            target_model.LINEAR_BACKEND = backend
+            target_model.LINEAR_BACKEND, target_model.ATTENTION_BACKEND = backend.split("/")
             for q in sizes:
                 tokens = torch.randint(0, model.config.vocab_size, (1, q), generator=torch.Generator().manual_seed(q))
                 positions, mask = CONTEXT + torch.arange(q)[None], torch.ones(1, q, q, dtype=torch.bool).tril()

@@ -85,3 +85,90 @@ def test_linear_with_gradients_is_f_linear():
     out = model.linear(torch.randn(3, 8), w)
     out.sum().backward()
     assert w.grad is not None and w.grad.shape == w.shape
+
+
+# --- tree_attention ---------------------------------------------------------------------------
+
+
+def random_tree_mask(q_len: int, gen: torch.Generator) -> torch.Tensor:
+    """[Q, Q] ancestor-or-self mask of a random tree (parents[i] < i)."""
+    from ddtree.kernels.tree import ancestor_mask
+
+    parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, q_len)])
+    return ancestor_mask(parents)
+
+
+def pool_case(lengths: list[int], q_len: int, heads: int = 9, kv_heads: int = 3, head_dim: int = 64, seed: int = 0):
+    """A paged-pool layout: storage [T, Hkv, D], every sequence's positions at shuffled slots."""
+    gen = torch.Generator().manual_seed(seed)
+    batch, span = len(lengths), max(lengths) + q_len
+    slots = torch.randperm(batch * span + 7, generator=gen)[: batch * span].view(batch, span)
+    k = torch.randn(batch * span + 7, kv_heads, head_dim, generator=gen)
+    v = torch.randn(batch * span + 7, kv_heads, head_dim, generator=gen)
+    q = torch.randn(batch, heads, q_len, head_dim, generator=gen) * 2
+    mask = torch.stack([random_tree_mask(q_len, gen) for _ in lengths])
+    return q, k, v, slots, torch.tensor(lengths), mask
+
+
+def attention(q, k, v, slots, lengths, mask):
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    return torch.ops.ddtree_cpu.tree_attention(q, k, v, slots * (kv_heads * head_dim), kv_heads, head_dim, lengths, mask,
+                                               1.0 / head_dim ** 0.5)
+
+
+def reference_attention(q, k, v, slots, lengths, mask) -> torch.Tensor:
+    """float64, one row at a time: softmax over the context and the visible block keys."""
+    batch, heads, q_len, head_dim = q.shape
+    group = heads // k.shape[1]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b in range(batch):
+        for i in range(q_len):
+            positions = list(range(int(lengths[b]))) + [int(lengths[b]) + j for j in range(q_len) if mask[b, i, j]]
+            for h in range(heads):
+                keys = k[slots[b, positions], h // group].double()
+                values = v[slots[b, positions], h // group].double()
+                weights = torch.softmax(keys @ q[b, h, i].double() / head_dim ** 0.5, dim=0)
+                out[b, h, i] = weights @ values
+    return out
+
+
+@pytest.mark.parametrize("lengths,q_len", [([0], 1), ([5], 9), ([37, 0, 300], 5), ([1, 64], 17), ([3], 65)])
+def test_tree_attention_equals_float64_softmax(lengths, q_len):
+    case = pool_case(lengths, q_len, seed=q_len)
+    got, want = attention(*case), reference_attention(*case)
+    assert got.dtype == torch.float32 and got.shape == case[0].shape
+    assert (got.double() - want).abs().max() < 2e-5
+
+
+def test_a_tree_row_is_bitwise_plain_decoding_of_its_token():
+    """The lossless property the kernel is for: a verify row sees its context and then its
+    ancestors in depth order; once the path is accepted, plain decoding of the same token sees
+    the same keys as context. Both compute bitwise the same output (and a sequence's rows do not
+    depend on the other sequences of the step or the thread count)."""
+    q, k, v, slots, lengths, mask = pool_case([41, 7, 0], 9, seed=3)
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            tree = attention(q, k, v, slots, lengths, mask)
+            for b in range(3):
+                alone = attention(q[b : b + 1], k, v, slots[b : b + 1], lengths[b : b + 1], mask[b : b + 1])
+                assert torch.equal(alone[0], tree[b]), (b, t)
+                for i in range(9):
+                    path = [j for j in range(9) if mask[b, i, j]]  # ancestors then the node itself
+                    ancestors, base = path[:-1], int(lengths[b])
+                    # plain decoding: the ancestors committed as context, the node its only block row
+                    row_slots = torch.cat([slots[b, :base], slots[b, [base + j for j in ancestors]], slots[b, [base + i]]])
+                    plain = attention(q[b : b + 1, :, i : i + 1], k, v, row_slots[None],
+                                      torch.tensor([base + len(ancestors)]), torch.ones(1, 1, 1, dtype=torch.bool))
+                    assert torch.equal(plain[0, :, 0], tree[b, :, i]), (b, i, t)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_tree_attention_refuses_what_it_cannot_read():
+    q, k, v, slots, lengths, mask = pool_case([4], 3)
+    with pytest.raises(RuntimeError, match="exceed"):
+        attention(q, k, v, slots, torch.tensor([5]), mask)
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        torch.ops.ddtree_cpu.tree_attention(q, k, v, slots, 2, 64, lengths, mask, 0.125)

@@ -77,6 +77,42 @@ def test_tree_verify_equals_plain_decoding_of_each_path(tiny_checkpoint, family,
         torch.testing.assert_close(out.logits[0, node], plain, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fp32_tree_verify_is_bitwise_plain_decoding(tmp_path, family):
+    """In float32 on the CPU, with ddtree_cpu's row-invariant linears (float_mm) and attention
+    (tree_attention), a tree node's logits are bitwise the logits plain decoding computes one
+    token at a time along the node's path: the verify pass can change no token, not even at a
+    near-tie. (torch's SDPA and oneDNN give the same values only up to float summation order.)"""
+    from ddtree.workers import cpu_gemm
+
+    if not cpu_gemm.float_kernel():
+        pytest.skip("ddtree_cpu's fp32 kernels are built for AVX2 CPUs; elsewhere equality holds at the tie rule")
+    make_hf_model(family).to(torch.float32).save_pretrained(tmp_path)
+    model = load_target_weights(tmp_path, torch.float32)
+    g = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, 97, (1, 9), generator=g)
+    tree = build_tree(11, torch.log_softmax(torch.randn(5, 97, generator=g, dtype=torch.float64), -1), 16)
+    start = prompt.shape[1]
+    cache = model.new_cache(1, 40)
+    model(prompt, torch.arange(start)[None], model.prefill_mask(start), cache)
+    cache.lengths += start
+    block = verify_block(tree, start, pad_to=17)
+    out = model(block.tokens[None], block.positions[None], block.mask[None], cache)
+    for node in range(tree.size):
+        path, n = [], node
+        while n >= 0:
+            path.append(n)
+            n = int(tree.parents[n])
+        plain_cache = model.new_cache(1, 40)
+        model(prompt, torch.arange(start)[None], model.prefill_mask(start), plain_cache)
+        plain_cache.lengths += start
+        for token in tree.tokens[list(reversed(path))].tolist():  # one row per forward, as plain decoding
+            logits = model(torch.tensor([[token]]), plain_cache.lengths[:, None].clone(), model.prefill_mask(1),
+                           plain_cache).logits[0, -1]
+            plain_cache.lengths += 1
+        assert torch.equal(out.logits[0, node], logits), (node, (out.logits[0, node] - logits).abs().max())
+
+
 @pytest.mark.smollm2
 def test_smollm2_logits_match_transformers(smollm2):
     """Our fp32 SmolLM2-135M-Instruct (from the GGUF, cached as safetensors) against

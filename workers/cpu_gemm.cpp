@@ -423,6 +423,254 @@ at::Tensor float_mm(const at::Tensor& x, const at::Tensor& w) {
   return y;
 }
 
+
+// --- tree attention ------------------------------------------------------------------------------
+//
+// tree_attention: the attention of a verify or decode step's few query rows per sequence over
+// keys and values read in place from the KV storage (the paged pool, or a dense cache), with the
+// same fixed-order arithmetic for every row: a row's result depends only on its own query and
+// the keys it sees, never on the other rows of its step. Row i of sequence b sees its context
+// (positions 0 ... lengths[b] - 1) and the block positions lengths[b] + j with mask[b, i, j], in
+// that order -- the order plain decoding sees the same keys in once a tree's accepted path is
+// committed (a node's ancestors precede it in the block, in depth order). So with float_mm's
+// batch-invariant linears a tree's verify row computes bitwise what plain decoding of the same
+// token computes.
+//
+// Per row: scores s_k = (q . key_k) * scale (8 lanes over the head dimension, then sum_lanes'
+// tree), m = max s_k, p_k = exp(s_k - m) (expf_lanes: a fixed polynomial, < 2 ulp), l = the sum
+// of p_k in key order, out = (sum over k in key order of p_k v_k) / l.
+
+#ifdef __AVX2__
+constexpr int64_t HEAD_LANES = 8;
+
+// exp(x) for one x <= 0 (softmax's shifted scores): 2^round(x / ln 2) times a degree-6
+// polynomial of the remainder. expf_lanes computes the same operations 8 at a time (a vector
+// fused multiply-add rounds exactly as std::fma), so every result is the same whatever its place.
+inline float expf_one(float x) {
+  const float v = std::max(x, -87.0f);
+  const float k = std::floor(std::fma(v, 1.44269504088896341f, 0.5f));
+  float r = std::fma(k, -0.693359375f, v);
+  r = std::fma(k, 2.12194440e-4f, r);
+  float p = 1.9875691500e-4f;
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p * r, r, r) + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof(bits));
+  bits += static_cast<int32_t>(k) << 23;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+void expf_lanes(float* x, int64_t n) {
+  const __m256 lo = _mm256_set1_ps(-87.0f), log2e = _mm256_set1_ps(1.44269504088896341f), half = _mm256_set1_ps(0.5f);
+  const __m256 c1 = _mm256_set1_ps(-0.693359375f), c2 = _mm256_set1_ps(2.12194440e-4f), one = _mm256_set1_ps(1.0f);
+  int64_t i = 0;
+  for (; i + HEAD_LANES <= n; i += HEAD_LANES) {
+    const __m256 v = _mm256_max_ps(_mm256_loadu_ps(x + i), lo);
+    const __m256 k = _mm256_floor_ps(_mm256_fmadd_ps(v, log2e, half));
+    __m256 r = _mm256_fmadd_ps(k, c1, v);
+    r = _mm256_fmadd_ps(k, c2, r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), one);
+    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(k), 23);
+    _mm256_storeu_ps(x + i, _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e)));
+  }
+  for (; i < n; ++i) x[i] = expf_one(x[i]);
+}
+
+// q . key over D (a multiple of 8): lane j sums q[d] key[d] over d = j mod 8, then sum_lanes.
+inline float head_dot(const float* q, const float* key, int64_t D) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += HEAD_LANES) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(key + d), acc);
+  return sum_lanes(acc);
+}
+
+// scores[t] = (q . key t) * scale for the n keys at element offsets keys[t], four keys at a time
+// (four independent chains in flight; each key's arithmetic is head_dot's whatever its place).
+void row_scores(const float* q, const float* kp, const int64_t* keys, int64_t n, int64_t D, float scale, float* scores) {
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    const float *k0 = kp + keys[t], *k1 = kp + keys[t + 1], *k2 = kp + keys[t + 2], *k3 = kp + keys[t + 3];
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += HEAD_LANES) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
+      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
+      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
+      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
+    }
+    scores[t] = sum_lanes(a0) * scale;
+    scores[t + 1] = sum_lanes(a1) * scale;
+    scores[t + 2] = sum_lanes(a2) * scale;
+    scores[t + 3] = sum_lanes(a3) * scale;
+  }
+  for (; t < n; ++t) scores[t] = head_dot(q, kp + keys[t], D) * scale;
+}
+
+// row_scores for R query rows over the same n keys: an R x 4 tile of (row, key) chains per step,
+// each key's vector loaded once for the R rows. Every (row, key) score is head_dot's, as above.
+template <int R>
+void tile_scores(const float* const* q, const float* kp, const int64_t* keys, int64_t n, int64_t D, float scale,
+                 float* const* scores) {
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    const float *k0 = kp + keys[t], *k1 = kp + keys[t + 1], *k2 = kp + keys[t + 2], *k3 = kp + keys[t + 3];
+    __m256 acc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += HEAD_LANES) {
+      const __m256 v0 = _mm256_loadu_ps(k0 + d), v1 = _mm256_loadu_ps(k1 + d);
+      const __m256 v2 = _mm256_loadu_ps(k2 + d), v3 = _mm256_loadu_ps(k3 + d);
+      for (int r = 0; r < R; ++r) {
+        const __m256 qv = _mm256_loadu_ps(q[r] + d);
+        acc[r][0] = _mm256_fmadd_ps(qv, v0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(qv, v1, acc[r][1]);
+        acc[r][2] = _mm256_fmadd_ps(qv, v2, acc[r][2]);
+        acc[r][3] = _mm256_fmadd_ps(qv, v3, acc[r][3]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 4; ++c) scores[r][t + c] = sum_lanes(acc[r][c]) * scale;
+  }
+  for (; t < n; ++t)
+    for (int r = 0; r < R; ++r) scores[r][t] = head_dot(q[r], kp + keys[t], D) * scale;
+}
+
+// out[d0 ... d0 + 8 STEPS) = (sum over t in key order of p[t] value t) / l: every output lane its
+// own chain of fused multiply-adds in key order, held in registers.
+template <int STEPS>
+void value_chunk(const float* vp, const int64_t* keys, const float* p, int64_t n, int64_t d0, float l, float* out) {
+  __m256 acc[STEPS];
+  for (int s = 0; s < STEPS; ++s) acc[s] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 w = _mm256_set1_ps(p[t]);
+    const float* v = vp + keys[t] + d0;
+    for (int s = 0; s < STEPS; ++s) acc[s] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + s * HEAD_LANES), acc[s]);
+  }
+  const __m256 sum = _mm256_set1_ps(l);
+  for (int s = 0; s < STEPS; ++s) _mm256_storeu_ps(out + d0 + s * HEAD_LANES, _mm256_div_ps(acc[s], sum));
+}
+
+void row_values(const float* vp, const int64_t* keys, const float* p, int64_t n, int64_t D, float l, float* out) {
+  for (int64_t d0 = 0; d0 < D; d0 += 8 * HEAD_LANES) {
+    switch (std::min<int64_t>(8, (D - d0) / HEAD_LANES)) {
+      case 8: value_chunk<8>(vp, keys, p, n, d0, l, out); break;
+      case 7: value_chunk<7>(vp, keys, p, n, d0, l, out); break;
+      case 6: value_chunk<6>(vp, keys, p, n, d0, l, out); break;
+      case 5: value_chunk<5>(vp, keys, p, n, d0, l, out); break;
+      case 4: value_chunk<4>(vp, keys, p, n, d0, l, out); break;
+      case 3: value_chunk<3>(vp, keys, p, n, d0, l, out); break;
+      case 2: value_chunk<2>(vp, keys, p, n, d0, l, out); break;
+      default: value_chunk<1>(vp, keys, p, n, d0, l, out); break;
+    }
+  }
+}
+
+// q [B, Hq, Q, D] float32; k, v: a layer's storage, any shape, float32 contiguous; offsets [B, S]
+// int64: the element offset in k / v of position p's key for key-value head 0 of sequence b
+// (key-value head g at + g * head_stride; query head h reads g = h / (Hq / kv_heads));
+// lengths [B] int64; mask [B, Q, Q] bool -> [B, Hq, Q, D]
+at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& offsets,
+                          int64_t kv_heads, int64_t head_stride, const at::Tensor& lengths, const at::Tensor& mask,
+                          double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "ddtree_cpu.tree_attention runs on CPU tensors");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "tree_attention is float32");
+  TORCH_CHECK(q.dim() == 4 && q.size(3) % HEAD_LANES == 0 && q.size(3) <= 512,
+              "q must be [B, Hq, Q, D] with D a multiple of 8, at most 512");
+  TORCH_CHECK(kv_heads > 0 && q.size(1) % kv_heads == 0, "query heads (", q.size(1), ") must be a multiple of kv_heads");
+  TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "k and v must be contiguous storage");
+  const int64_t B = q.size(0), Hq = q.size(1), Q = q.size(2), D = q.size(3);
+  TORCH_CHECK(offsets.dim() == 2 && offsets.size(0) == B && offsets.scalar_type() == at::kLong, "offsets must be [B, S] int64");
+  TORCH_CHECK(lengths.numel() == B && lengths.scalar_type() == at::kLong, "lengths must be [B] int64");
+  TORCH_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == Q && mask.size(2) == Q && mask.scalar_type() == at::kBool,
+              "mask must be [B, Q, Q] bool");
+  const int64_t S = offsets.size(1);
+  at::Tensor qc = q.contiguous(), oc = offsets.contiguous(), lc = lengths.contiguous(), mc = mask.contiguous();
+  const int64_t* len = lc.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(len[b] >= 0 && len[b] + Q <= S, "sequence ", b, ": ", len[b], " + ", Q, " positions exceed the ", S, " offsets");
+  at::Tensor out = at::empty({B, Hq, Q, D}, q.options());
+  const float *qp = qc.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const int64_t* off = oc.data_ptr<int64_t>();
+  const bool* mp = mc.data_ptr<bool>();
+  float* op = out.data_ptr<float>();
+  const int64_t per_kv = Hq / kv_heads;
+  const float sc = static_cast<float>(scale);
+  // work items: up to TILE_ROWS query rows of one sequence that share a key-value head (so its
+  // context keys), scored against those keys together
+  constexpr int64_t TILE_ROWS = 3;
+  const int64_t group_rows = per_kv * Q, tiles = (group_rows + TILE_ROWS - 1) / TILE_ROWS;
+  at::parallel_for(0, B * kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buffer(TILE_ROWS * (S + HEAD_LANES));
+    std::vector<int64_t> keys(S);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (kv_heads * tiles), g = (item / tiles) % kv_heads, tile = item % tiles;
+      const int64_t head = g * head_stride, context = len[b];
+      const int64_t first = tile * TILE_ROWS, rows = std::min(TILE_ROWS, group_rows - first);
+      const float* qrows[TILE_ROWS];
+      float* scores[TILE_ROWS];
+      for (int64_t r = 0; r < rows; ++r) {  // row first + r: query head g * per_kv + (first + r) / Q, block row (first + r) % Q
+        const int64_t h = g * per_kv + (first + r) / Q, i = (first + r) % Q;
+        qrows[r] = qp + ((b * Hq + h) * Q + i) * D;
+        scores[r] = buffer.data() + r * (S + HEAD_LANES);
+      }
+      for (int64_t p = 0; p < context; ++p) keys[p] = off[b * S + p] + head;
+      switch (rows) {
+        case 3: tile_scores<3>(qrows, kp, keys.data(), context, D, sc, scores); break;
+        case 2: tile_scores<2>(qrows, kp, keys.data(), context, D, sc, scores); break;
+        default: tile_scores<1>(qrows, kp, keys.data(), context, D, sc, scores); break;
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t h = g * per_kv + (first + r) / Q, i = (first + r) % Q;
+        float* sp = scores[r];
+        int64_t n = context;  // then the block keys this row sees, in block order
+        for (int64_t j = 0; j < Q; ++j)
+          if (mp[(b * Q + i) * Q + j]) {
+            keys[n] = off[b * S + context + j] + head;
+            sp[n] = head_dot(qrows[r], kp + keys[n], D) * sc;
+            ++n;
+          }
+        __m256 top = _mm256_set1_ps(-INFINITY);  // the maximum, any order (exact)
+        int64_t t = 0;
+        for (; t + HEAD_LANES <= n; t += HEAD_LANES) top = _mm256_max_ps(top, _mm256_loadu_ps(sp + t));
+        alignas(32) float lanes[HEAD_LANES];
+        _mm256_store_ps(lanes, top);
+        float m = lanes[0];
+        for (int64_t j = 1; j < HEAD_LANES; ++j) m = std::max(m, lanes[j]);
+        for (; t < n; ++t) m = std::max(m, sp[t]);
+        for (t = 0; t < n; ++t) sp[t] -= m;
+        expf_lanes(sp, n);
+        // l: lane j sums the p_t with t = j mod 8 in key order (the tail padded with zeros), then sum_lanes
+        const int64_t padded = (n + HEAD_LANES - 1) / HEAD_LANES * HEAD_LANES;
+        for (t = n; t < padded; ++t) sp[t] = 0.0f;
+        __m256 total = _mm256_setzero_ps();
+        for (t = 0; t < padded; t += HEAD_LANES) total = _mm256_add_ps(total, _mm256_loadu_ps(sp + t));
+        row_values(vp, keys.data(), sp, n, D, sum_lanes(total), op + ((b * Hq + h) * Q + i) * D);
+      }
+    }
+  });
+  return out;
+}
+
+#else
+at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& offsets,
+                          int64_t kv_heads, int64_t head_stride, const at::Tensor& lengths, const at::Tensor& mask,
+                          double scale) {
+  TORCH_CHECK(false, "ddtree_cpu.tree_attention is built for AVX2 CPUs (torch's SDPA serves elsewhere)");
+}
+#endif
+
 }  // namespace
 
 TORCH_LIBRARY(ddtree_cpu, m) {
@@ -430,4 +678,7 @@ TORCH_LIBRARY(ddtree_cpu, m) {
   m.impl("blocks_mm", c10::DispatchKey::CPU, TORCH_FN(blocks_mm));
   m.def("float_mm(Tensor x, Tensor w) -> Tensor");
   m.impl("float_mm", c10::DispatchKey::CPU, TORCH_FN(float_mm));
+  m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor offsets, int kv_heads, int head_stride, Tensor lengths, "
+        "Tensor mask, float scale) -> Tensor");
+  m.impl("tree_attention", c10::DispatchKey::CPU, TORCH_FN(tree_attention));
 }

@@ -20,11 +20,12 @@ positions 4-7 in slots 8-11; its position 6 is slot 2 * 4 + 2 = 10.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from .model import ModelConfig, block_attention, uses_kernel
+from .model import ModelConfig, block_attention, cpu_attention, dense_block_mask, uses_kernel
 
 
 class PoolFull(RuntimeError):
@@ -145,7 +146,12 @@ class PagedView:
         cols = torch.arange(self.span, device=dev)[None, :]
         valid = cols < (lengths[:, None] + q_len)
         self.read_slots = pool.slots(batch.tables, torch.where(valid, cols, 0)).view(-1)  # [B * span]
-        self.attention = block_attention(block_mask, lengths, self.span, uses_kernel(block_mask, pool.k))
+        self.cpu = cpu_attention(pool.k, q_len)
+        if self.cpu:  # in place: key (slot, head 0) sits at slot * Hkv * D
+            self.offsets = self.read_slots.view(len(batch.tables), self.span) * (pool.k.shape[2] * pool.k.shape[3])
+            self.mask = dense_block_mask(block_mask, len(batch.tables))
+        else:
+            self.attention = block_attention(block_mask, lengths, self.span, uses_kernel(block_mask, pool.k))
 
     def attend(self, layer: int, q, k, v):
         """q [B, Hq, Q, D]; k, v [B, Hkv, Q, D] of the block -> [B, Hq, Q, D]."""
@@ -153,6 +159,9 @@ class PagedView:
         pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
         pool_k.index_copy_(0, self.write_slots, k.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(pool_k.dtype))
         pool_v.index_copy_(0, self.write_slots, v.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(pool_v.dtype))
+        if self.cpu:
+            return torch.ops.ddtree_cpu.tree_attention(q, pool_k, pool_v, self.offsets, kv_heads, head_dim, self.lengths,
+                                                       self.mask, 1.0 / math.sqrt(head_dim))
         keys = pool_k.index_select(0, self.read_slots).view(b, self.span, kv_heads, head_dim).transpose(1, 2)
         values = pool_v.index_select(0, self.read_slots).view(b, self.span, kv_heads, head_dim).transpose(1, 2)
         return self.attention(q, keys, values)

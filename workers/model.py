@@ -269,10 +269,31 @@ def fp32_route() -> str:
 
 
 def linear_route() -> str:
-    """fp32_route named down to the kernel's build, so that timings measured through one route
-    are never reused for another (ddtree.calibrate)."""
+    """fp32_route named down to the kernel's build (and the attention's route), so that timings
+    measured through one route are never reused for another (ddtree.calibrate)."""
     route = fp32_route()
-    return f"{route}:{cpu_gemm.kernel_key()}" if route == "float_mm" else route
+    named = f"{route}:{cpu_gemm.kernel_key()}" if route == "float_mm" else route
+    return named + ("" if ATTENTION_BACKEND == "ddtree" else f"+{ATTENTION_BACKEND}-attention")
+
+
+ATTENTION_BACKEND = "ddtree"  # "ddtree": ddtree_cpu.tree_attention where it serves (below); "torch": SDPA
+ATTENTION_MAX_ROWS = 65  # query rows per sequence up to which that holds: decode and verify steps, not long prefill chunks
+
+
+def cpu_attention(keys: torch.Tensor, q_len: int) -> bool:
+    """Whether a block of `q_len` rows per sequence over fp32 CPU storage `keys` attends through
+    ddtree_cpu.tree_attention (workers/cpu_gemm.cpp): keys and values read in place from the
+    cache by offset, no gathered copy or dense mask, and every row's arithmetic its own, in the
+    order plain decoding sees the same keys -- with float_mm's linears a verify row is bitwise
+    plain decoding's. Prefill chunks longer than ATTENTION_MAX_ROWS take SDPA."""
+    return (ATTENTION_BACKEND == "ddtree" and keys.dtype == torch.float32 and keys.device.type == "cpu"
+            and q_len <= ATTENTION_MAX_ROWS and cpu_gemm.float_kernel())
+
+
+def dense_block_mask(block_mask, batch: int) -> torch.Tensor:
+    """[B, Q, Q] bool of a block mask given as TreeBits or a [B or 1, Q, Q] bool tensor."""
+    dense = block_mask.dense() if isinstance(block_mask, TreeBits) else block_mask
+    return dense.to(torch.bool).expand(batch, -1, -1).contiguous()
 
 
 class Linear(nn.Linear):
@@ -424,7 +445,14 @@ class DenseView:
         self.span = cache.slots if kernel else int(cache.lengths.max()) + q_len
         if self.span > cache.slots:
             raise ValueError(f"KV cache has {cache.slots} slots; this block needs {self.span}")
-        self.attention = block_attention(block_mask, cache.lengths, self.span, kernel)
+        self.cpu = cpu_attention(cache.k, q_len)
+        if self.cpu:  # in place: key (b, head 0, slot p) sits at b * Hkv * S * D + p * D
+            batch, kv_heads, slots, head_dim = cache.k.shape[1:]
+            rows = torch.arange(batch, device=cache.k.device)[:, None] * (kv_heads * slots * head_dim)
+            self.offsets = rows + torch.arange(slots, device=cache.k.device)[None, :] * head_dim
+            self.mask = dense_block_mask(block_mask, batch)
+        else:
+            self.attention = block_attention(block_mask, cache.lengths, self.span, kernel)
 
     def attend(self, layer: int, q, k, v):
         """q [B, Hq, Q, D]; k, v [B, Hkv, Q, D] of the block -> [B, Hq, Q, D]."""
@@ -433,6 +461,10 @@ class DenseView:
         slots = slots.expand(b, kv_heads, q_len, head_dim)
         cache.k[layer].scatter_(2, slots, k.to(cache.k.dtype))
         cache.v[layer].scatter_(2, slots, v.to(cache.v.dtype))
+        if self.cpu:
+            return torch.ops.ddtree_cpu.tree_attention(q, cache.k[layer], cache.v[layer], self.offsets, kv_heads,
+                                                       cache.slots * head_dim, cache.lengths, self.mask,
+                                                       1.0 / math.sqrt(head_dim))
         return self.attention(q, cache.k[layer, :, :, : self.span], cache.v[layer, :, :, : self.span])
 
 
