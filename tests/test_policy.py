@@ -98,8 +98,14 @@ def test_a_lookup_chain_is_counted_apart_from_the_drafters_nodes():
     assert policy.observe_round(estimate, tree, None, [0, 1, 2]) == pytest.approx(1.72)
     assert estimate.acceptance.hits == [0.0, 1.0] and estimate.acceptance.mass == pytest.approx([0.6, 0.72])
     assert policy.batch.hits == [0.0, 1.0]
+    # the gains of a chain alone, read off the chain without growing its tree, are the grown
+    # tree's: .9 at one node, .9 + .45 at two or more
+    chain_only = Lookup([5, 6], [math.log(.9), math.log(.5)], ngram=2)
+    grown = policy.gains(grow_tree(7, None, 16, chain_only), estimate, [1, 2, 3, 5, 17])
+    assert policy.chain_gains(chain_only, [1, 2, 3, 5, 17]) == pytest.approx(grown)
+    assert grown == pytest.approx({q: g * policy.bias for q, g in {1: 0, 2: .9, 3: 1.35, 5: 1.35, 17: 1.35}.items()})
     # a tree of the chain alone teaches the factors nothing of the drafter
-    alone = grow_tree(7, None, 2, Lookup([5, 6], [math.log(.9), math.log(.5)], ngram=2))
+    alone = grow_tree(7, None, 2, chain_only)
     before = list(estimate.acceptance.hits)
     policy.observe_round(estimate, alone, None, [0, 1, 2])
     assert estimate.acceptance.hits == pytest.approx([h * estimate.acceptance.decay for h in before])

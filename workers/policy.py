@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import GREEDY
-from ..kernels.tree import LOOKUP, Tree
+from ..kernels.tree import LOOKUP, Lookup, Tree
 from .batch_backends import TargetBatch
 
 EMA = 0.2  # weight of a new observation in the cost curves and in a sequence's gain estimates
@@ -268,6 +268,17 @@ class BudgetPolicy:
         drafted, chain = source_masses(tree, [q - 1 for q in buckets])
         e = expected_accepted(drafted, estimate.acceptance.factors(drafted.shape[-1]), chain) * self.bias
         return dict(zip(buckets, e.tolist()))
+
+    def chain_gains(self, branch: Lookup, buckets: list[int]) -> dict[int, float]:
+        """`gains` of the tree that is `branch`'s lookup chain alone, without growing it: its
+        first Q - 1 nodes, the node at depth d reached with the product of the chain's first d
+        probabilities (calibrated already: no factors)."""
+        reach, expected, upto = 0.0, 0.0, [0.0]
+        for logprob in branch.logprobs:
+            reach += logprob
+            expected += min(1.0, math.exp(reach))
+            upto.append(expected)
+        return {q: upto[min(q - 1, len(branch.logprobs))] * self.bias for q in buckets}
 
     @property
     def bias(self) -> float:

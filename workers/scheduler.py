@@ -356,15 +356,20 @@ class Scheduler:
         auto_trees = sorted(set(auto) | {b for b in branches if rows[b].budget == "auto"})
         for b in auto_trees:
             granted[b] = buckets[-1] - 1
-        trees = [grow_tree(seq.output[-1], candidates.get(b), granted[b], branches.get(b))
-                 if b in candidates or b in branches else Tree.root_only(seq.output[-1])
-                 for b, seq in enumerate(rows)]
-        gains = {b: self.policy.gains(trees[b], rows[b].estimate, buckets) for b in auto_trees}
+        # a lookup chain alone is grown once the step's Q is chosen (most steps of a busy batch
+        # choose Q = 1): its gains follow from the chain's probabilities
+        trees = [grow_tree(seq.output[-1], candidates[b], granted[b], branches.get(b))
+                 if b in candidates else Tree.root_only(seq.output[-1]) for b, seq in enumerate(rows)]
+        gains = {b: self.policy.gains(trees[b], rows[b].estimate, buckets) if b in candidates
+                 else self.policy.chain_gains(branches[b], buckets) for b in auto_trees}
         if auto_trees:  # the policy's Q: its auto trees are the best-first prefixes that fill it
             decision = self.policy.choose(len(rows), buckets, list(gains.values()), t1 - t0)
             for b in auto_trees:
                 granted[b] = decision.q - 1
-                trees[b] = trees[b].prefix(granted[b])
+                if b in candidates:
+                    trees[b] = trees[b].prefix(granted[b])
+                elif granted[b]:
+                    trees[b] = grow_tree(rows[b].output[-1], None, granted[b], branches[b])
         draft_s = [(t1 - t0) / len(drafting) if b in candidates else 0.0 for b in range(len(rows))]
         tree_s = time.perf_counter() - t1
         # a tree verified without drafting (a lookup branch alone) says nothing of the gains
