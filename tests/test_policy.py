@@ -135,6 +135,21 @@ def test_choose_takes_the_q_of_the_highest_predicted_rate():
     assert flat.choose(1, [1, 2, 3, 5, 9], [gains], draft_s=0.0).q == 9
 
 
+def test_the_rest_of_a_step_is_learnt_apart_for_steps_with_trees():
+    """The policy once learnt one overhead O(B) for every step, mostly plain ones at a few
+    streams, so a step with trees (grown, walked, committed) was predicted as cheap as a plain
+    one and small lookup trees were granted where they did not pay (4 streams: 0.94x plain)."""
+    policy = BudgetPolicy(CostCurve({4: 0.010, 8: 0.011}))  # 4 rows: 10 ms, 8 rows: 11 ms
+    gains = {1: 0.0, 2: 0.5}  # half a token expected of a one-node tree
+    for _ in range(50):
+        policy.observe_step(4, 1, float("nan"), 0, 0.0, 0.001)  # plain steps: 1 ms of the rest
+    assert policy.choose(4, [1, 2], [gains], draft_s=0.0).q == 2  # 4.5 / 12 ms > 4 / 11 ms
+    for _ in range(50):
+        policy.observe_step(4, 2, float("nan"), 0, 0.0, 0.006)  # steps with trees: 6 ms
+    assert policy.choose(4, [1, 2], [gains], draft_s=0.0).q == 1  # 4.5 / 17 ms < 4 / 11 ms
+    assert policy.other.predict(4) == pytest.approx(0.001)
+
+
 def test_plan_probes_new_sequences_and_backs_off_on_idle_ones():
     policy = BudgetPolicy(CostCurve({1: 0.01, 2: 0.02, 4: 0.035}))  # an extra row costs most of a step
     estimates = [policy.sequence(), policy.sequence()]

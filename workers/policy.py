@@ -11,8 +11,9 @@ The model (README, "How budget: auto chooses"):
   S are the sequences that draft, the others verify their root alone.
 - T(r): seconds of one target forward over r rows in all (`CostCurve`), calibrated over row
   counts at start-up (ddtree.calibrate) and refreshed from every step's own timing.
-- D(n): the drafter's pass over n sequences; O(B): the rest of a step (trees, walk, commit);
-  both learned from the live steps.
+- D(n): the drafter's pass over n sequences; O(B): the rest of a step (trees, walk, commit),
+  one curve for plain steps (Q = 1) and one for steps with trees, which cost more; all learned
+  from the live steps.
 - E_s(n): the expected accepted tokens of sequence s's best-first tree of n nodes. DDTree grows
   the tree in order of the drafter's path probabilities p_i, so with a calibrated drafter the
   probability that the target's own path reaches depth d is the mass m_d(n) of the tree's first n
@@ -206,7 +207,8 @@ class BudgetPolicy:
         self.cap = cap  # the most drafted nodes a sequence may be granted
         self.verify = step_cost or CostCurve()
         self.draft = CostCurve()
-        self.other = CostCurve()
+        self.other = CostCurve()  # the rest of a plain step (Q = 1) ...
+        self.other_trees = CostCurve()  # ... and of a step with trees: building, walking and committing them
         self.batch = Acceptance(BATCH_DECAY)
         # per Q, the best gains seen lately: up at once to a higher gain, eased down by lower
         # ones, and while nothing drafts rising back to the best ever seen (`best_seen`), so a
@@ -221,9 +223,12 @@ class BudgetPolicy:
     def sequence(self) -> SequenceEstimate:
         return SequenceEstimate(Acceptance(SEQ_DECAY, prior=self.batch))
 
+    def _other(self, q: int) -> CostCurve:
+        return self.other_trees if q > 1 and self.other_trees else self.other
+
     def _time(self, batch: int, q: int, drafting: int) -> float:
         return self.verify.predict(batch * q) + (self.draft.predict(drafting) if drafting else 0.0) + \
-            self.other.predict(batch)
+            self._other(q).predict(batch)
 
     def plan(self, batch: int, fixed_drafting: int, buckets: list[int], estimates: list[SequenceEstimate]) -> list[bool]:
         """Before drafting: which of the auto sequences (`estimates`) draft this step: those of
@@ -291,7 +296,7 @@ class BudgetPolicy:
         best = None
         for q in buckets:
             predicted = sum(g[q] for g in gains)
-            seconds = self.verify.predict(batch * q) + draft_s + self.other.predict(batch)
+            seconds = self.verify.predict(batch * q) + draft_s + self._other(q).predict(batch)
             rate = (batch + predicted) / max(seconds, 1e-9)
             if best is None or rate > best.rate:
                 best = Decision(q, predicted, rate)
@@ -334,7 +339,7 @@ class BudgetPolicy:
         if drafting and draft_s > 0:
             self.draft.observe(drafting, draft_s)
         if other_s > 0:
-            self.other.observe(batch, other_s)
+            (self.other_trees if q > 1 else self.other).observe(batch, other_s)
 
 
 def measurable(scheduler, counts: list[int]) -> list[int]:
