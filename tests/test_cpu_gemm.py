@@ -172,3 +172,14 @@ def test_tree_attention_refuses_what_it_cannot_read():
         attention(q, k, v, slots, torch.tensor([5]), mask)
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
         torch.ops.ddtree_cpu.tree_attention(q, k, v, slots, 2, 64, lengths, mask, 0.125)
+
+
+def test_attention_routes_only_what_the_kernel_computes():
+    """fp32 CPU blocks of decode and verify size with a head dimension of 8-lane multiples take
+    tree_attention; long prefill chunks, other dtypes and other head dimensions take SDPA."""
+    from ddtree.workers.model import ATTENTION_MAX_ROWS, cpu_attention
+
+    assert cpu_attention(torch.zeros(2, 3, 64), 9)
+    assert not cpu_attention(torch.zeros(2, 3, 64), ATTENTION_MAX_ROWS + 1)
+    assert not cpu_attention(torch.zeros(2, 3, 60), 9)
+    assert not cpu_attention(torch.zeros(2, 3, 64, dtype=torch.float64), 9)

@@ -20,6 +20,24 @@ def our_logits(model, ids: torch.Tensor, capture=()):
     return model(ids, torch.arange(n)[None], model.prefill_mask(n), cache, capture_layers=capture)
 
 
+def prefilled_cache(model, prompt: torch.Tensor, slots: int = 40):
+    """A cache holding `prompt` [1, n], committed."""
+    n = prompt.shape[1]
+    cache = model.new_cache(1, slots)
+    model(prompt, torch.arange(n)[None], model.prefill_mask(n), cache)
+    cache.lengths += n
+    return cache
+
+
+def root_path(tree, node: int) -> list[int]:
+    """The nodes from the root down to `node`, root first."""
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = int(tree.parents[node])
+    return list(reversed(path))
+
+
 @pytest.mark.parametrize(
     "family,overrides",
     [
@@ -62,17 +80,11 @@ def test_tree_verify_equals_plain_decoding_of_each_path(tiny_checkpoint, family,
     prompt = torch.randint(0, 97, (1, 7), generator=g)
     tree = build_tree(11, torch.log_softmax(torch.randn(4, 97, generator=g, dtype=torch.float64), -1), 12)
     start = prompt.shape[1]
-    cache = model.new_cache(1, 40)
-    model(prompt, torch.arange(start)[None], model.prefill_mask(start), cache)
-    cache.lengths += start
+    cache = prefilled_cache(model, prompt)
     block = verify_block(tree, start, pad_to=20 if pad else None)
     out = model(block.tokens[None], block.positions[None], block.mask[None], cache)
     for node in range(tree.size):
-        path, n = [], node
-        while n >= 0:
-            path.append(n)
-            n = int(tree.parents[n])
-        seq = torch.cat([prompt, tree.tokens[list(reversed(path))][None]], dim=1)
+        seq = torch.cat([prompt, tree.tokens[root_path(tree, node)][None]], dim=1)
         plain = our_logits(model, seq).logits[0, -1]
         torch.testing.assert_close(out.logits[0, node], plain, rtol=0, atol=1e-10)
 
@@ -92,21 +104,11 @@ def test_fp32_tree_verify_is_bitwise_plain_decoding(tmp_path, family):
     g = torch.Generator().manual_seed(8)
     prompt = torch.randint(0, 97, (1, 9), generator=g)
     tree = build_tree(11, torch.log_softmax(torch.randn(5, 97, generator=g, dtype=torch.float64), -1), 16)
-    start = prompt.shape[1]
-    cache = model.new_cache(1, 40)
-    model(prompt, torch.arange(start)[None], model.prefill_mask(start), cache)
-    cache.lengths += start
-    block = verify_block(tree, start, pad_to=17)
-    out = model(block.tokens[None], block.positions[None], block.mask[None], cache)
+    block = verify_block(tree, prompt.shape[1], pad_to=17)
+    out = model(block.tokens[None], block.positions[None], block.mask[None], prefilled_cache(model, prompt))
     for node in range(tree.size):
-        path, n = [], node
-        while n >= 0:
-            path.append(n)
-            n = int(tree.parents[n])
-        plain_cache = model.new_cache(1, 40)
-        model(prompt, torch.arange(start)[None], model.prefill_mask(start), plain_cache)
-        plain_cache.lengths += start
-        for token in tree.tokens[list(reversed(path))].tolist():  # one row per forward, as plain decoding
+        plain_cache = prefilled_cache(model, prompt)
+        for token in tree.tokens[root_path(tree, node)].tolist():  # one row per forward, as plain decoding
             logits = model(torch.tensor([[token]]), plain_cache.lengths[:, None].clone(), model.prefill_mask(1),
                            plain_cache).logits[0, -1]
             plain_cache.lengths += 1

@@ -285,9 +285,10 @@ def cpu_attention(keys: torch.Tensor, q_len: int) -> bool:
     ddtree_cpu.tree_attention (workers/cpu_gemm.cpp): keys and values read in place from the
     cache by offset, no gathered copy or dense mask, and every row's arithmetic its own, in the
     order plain decoding sees the same keys -- with float_mm's linears a verify row is bitwise
-    plain decoding's. Prefill chunks longer than ATTENTION_MAX_ROWS take SDPA."""
+    plain decoding's. Prefill chunks longer than ATTENTION_MAX_ROWS, and head dimensions that are
+    not a multiple of 8 (the kernel's lanes), take SDPA."""
     return (ATTENTION_BACKEND == "ddtree" and keys.dtype == torch.float32 and keys.device.type == "cpu"
-            and q_len <= ATTENTION_MAX_ROWS and cpu_gemm.float_kernel())
+            and q_len <= ATTENTION_MAX_ROWS and keys.shape[-1] % 8 == 0 and cpu_gemm.float_kernel())
 
 
 def dense_block_mask(block_mask, batch: int) -> torch.Tensor:
