@@ -37,6 +37,11 @@ class Tree:
         """Real node count, root included."""
         return int(self.tokens.shape[0])
 
+    def on_chain(self) -> torch.Tensor | None:
+        """[N] bool: the nodes a lookup branch proposed (alone or with the drafter); None for a
+        tree grown without one."""
+        return None if self.sources is None else (self.sources & LOOKUP) != 0
+
     @classmethod
     def root_only(cls, root_token: int) -> "Tree":
         one = torch.tensor

@@ -83,7 +83,7 @@ def test_a_lookup_chain_is_counted_apart_from_the_drafters_nodes():
     5 -> 9 (.72), drafter 4 (.6)."""
     c = Candidates([[math.log(.6), math.log(.3)], [math.log(.8), math.log(.1)]], [[4, 5], [9, 4]])
     tree = grow_tree(7, c, 3, Lookup([5, 6], [math.log(.9), math.log(.5)], ngram=2))
-    drafted, chain = source_masses(tree, [1, 3])
+    drafted, chain = source_masses(tree, [1, 3], tree.on_chain())
     torch.testing.assert_close(drafted, torch.tensor([[0, 0], [0.6, 0.72]], dtype=torch.float64))
     torch.testing.assert_close(chain, torch.tensor([[0.9, 0], [0.9, 0]], dtype=torch.float64))
     # a drafter right half as often as it believes: depth 1 reaches .5 x .6 + .9 -> 1 (capped),

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..kernels.tree import LOOKUP, Lookup, Tree
+from ..kernels.tree import Lookup, Tree
 from .requests import accepted_sources
 
 MAX_NGRAM = 3  # the longest context suffix matched
@@ -114,10 +114,11 @@ class LookupCalibration:
 def chain_outcome(tree: Tree, path: list[int]) -> tuple[int, int]:
     """(chain nodes in `tree`, how many of them the accepted `path` holds): the chain is one
     path from the root, so the accepted path follows it from the root and leaves it at most once."""
-    if tree.sources is None:
+    chain = tree.on_chain()
+    if chain is None:
         return 0, 0
     _, lookup_only, both = accepted_sources(tree, path)
-    return int(((tree.sources & LOOKUP) != 0).sum()), lookup_only + both
+    return int(chain.sum()), lookup_only + both
 
 
 class SequenceLookup:

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import GREEDY
-from ..kernels.tree import LOOKUP, Lookup, Tree
+from ..kernels.tree import Lookup, Tree
 from .batch_backends import TargetBatch
 
 EMA = 0.2  # weight of a new observation in the cost curves and in a sequence's gain estimates
@@ -157,17 +157,12 @@ def depth_mass(tree: Tree, budgets: list[int], counted: torch.Tensor | None = No
     return cumulative[torch.tensor([min(n, tree.size - 1) for n in budgets])]
 
 
-def on_chain(tree: Tree) -> torch.Tensor:
-    """[size] bool: the nodes the lookup branch proposed (alone or with the drafter)."""
-    if tree.sources is None:
-        return torch.zeros(tree.size, dtype=torch.bool)
-    return (tree.sources & LOOKUP) != 0
-
-
-def source_masses(tree: Tree, budgets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def source_masses(tree: Tree, budgets: list[int], chain: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`depth_mass` of the drafter's own nodes (what the factors c_d scale) and of the lookup
-    chain's (calibrated already), each [len(budgets), depth]."""
-    chain = on_chain(tree)
+    chain's (calibrated already; None without a chain: the drafter's tree is one mass, as
+    before lookup branches), each [len(budgets), depth]. `chain`: `tree.on_chain()`."""
+    if chain is None:
+        return depth_mass(tree, budgets), None
     return depth_mass(tree, budgets, ~chain), depth_mass(tree, budgets, chain)
 
 
@@ -270,7 +265,7 @@ class BudgetPolicy:
 
     def gains(self, tree: Tree, estimate: SequenceEstimate, buckets: list[int]) -> dict[int, float]:
         """This step's expected accepted tokens of `tree`'s first Q - 1 nodes, per bucket Q."""
-        drafted, chain = source_masses(tree, [q - 1 for q in buckets])
+        drafted, chain = source_masses(tree, [q - 1 for q in buckets], tree.on_chain())
         e = expected_accepted(drafted, estimate.acceptance.factors(drafted.shape[-1]), chain) * self.bias
         return dict(zip(buckets, e.tolist()))
 
@@ -317,14 +312,16 @@ class BudgetPolicy:
             self.best_seen |= {q: max(g, self.best_seen.get(q, g)) for q, g in estimate.gain.items()}
         if tree.size == 1:
             return 0.0
-        (drafted,), (chain,) = source_masses(tree, [tree.size - 1])
-        raw = float(expected_accepted(drafted, estimate.acceptance.factors(drafted.shape[0]), chain))
+        nodes = tree.on_chain()
+        drafted, chain = source_masses(tree, [tree.size - 1], nodes)
+        raw = float(expected_accepted(drafted[0], estimate.acceptance.factors(drafted.shape[1]),
+                                      None if chain is None else chain[0]))
         predicted = raw * self.bias
         self._bias_hits = BIAS_DECAY * self._bias_hits + len(path) - 1
         self._bias_mass = BIAS_DECAY * self._bias_mass + raw
         # the factors learn the drafter's own nodes: depths the path reached off the chain
-        off_chain = (~on_chain(tree)[path[1:]]).tolist()
-        reach = drafted.tolist()
+        off_chain = [True] * (len(path) - 1) if nodes is None else (~nodes[path[1:]]).tolist()
+        reach = drafted[0].tolist()
         estimate.acceptance.observe(reach, off_chain)
         self.batch.observe(reach, off_chain)
         return predicted
