@@ -166,6 +166,24 @@ def test_a_tree_row_is_bitwise_plain_decoding_of_its_token():
         torch.set_num_threads(threads)
 
 
+def test_padding_rows_are_skipped_and_real_rows_unchanged():
+    """A step pads every sequence's tree to the step's Q rows; on the CPU only the real rows are
+    computed (`rows`): each real row is bitwise what the padded call gives it, padding rows
+    come back zero, and a sequence of no rows is all zero."""
+    q, k, v, slots, lengths, mask = pool_case([41, 7, 0, 12], 9, seed=5)
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    padded = attention(q, k, v, slots, lengths, mask)
+    rows = torch.tensor([9, 1, 4, 0])
+    packed = torch.ops.ddtree_cpu.tree_attention(q, k, v, slots * (kv_heads * head_dim), kv_heads, head_dim, lengths,
+                                                 mask, 1.0 / head_dim ** 0.5, rows)
+    for b, n in enumerate(rows.tolist()):
+        assert torch.equal(packed[b, :, :n], padded[b, :, :n]), b
+        assert not packed[b, :, n:].any(), b
+    with pytest.raises(RuntimeError, match="rows of a 9-row block"):
+        torch.ops.ddtree_cpu.tree_attention(q, k, v, slots * (kv_heads * head_dim), kv_heads, head_dim, lengths,
+                                            mask, 0.125, torch.tensor([10, 1, 1, 1]))
+
+
 def test_tree_attention_refuses_what_it_cannot_read():
     q, k, v, slots, lengths, mask = pool_case([4], 3)
     with pytest.raises(RuntimeError, match="exceed"):

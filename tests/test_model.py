@@ -115,6 +115,50 @@ def test_fp32_tree_verify_is_bitwise_plain_decoding(tmp_path, family):
         assert torch.equal(out.logits[0, node], logits), (node, (out.logits[0, node] - logits).abs().max())
 
 
+def test_a_packed_verify_computes_the_real_rows_alone_and_as_padded(tmp_path):
+    """A step pads every tree to one Q; on the CPU the forward computes the real rows only
+    (`rows`, workers.model.Packing). Their logits, features and chosen tokens (greedy and
+    seeded) are those of the padded forward -- bitwise with ddtree_cpu's row-invariant fp32
+    kernels -- and the padding rows' features are zero."""
+    from ddtree.config import SamplingParams
+    from ddtree.workers import cpu_gemm
+    from ddtree.workers.model import SingleProcess
+
+    make_hf_model("llama").to(torch.float32).save_pretrained(tmp_path)
+    model = load_target_weights(tmp_path, torch.float32)
+    g = torch.Generator().manual_seed(3)
+    prompts = torch.randint(0, 97, (2, 9), generator=g)
+    trees = [build_tree(int(prompts[b, -1]), torch.log_softmax(torch.randn(5, 97, generator=g, dtype=torch.float64), -1),
+                        budget) for b, budget in enumerate((16, 4))]
+    blocks = [verify_block(tree, 9, pad_to=17) for tree in trees]
+    tokens, positions, mask = (torch.stack([getattr(b, f) for b in blocks]) for f in ("tokens", "positions", "mask"))
+
+    def cache():
+        c = model.new_cache(2, 40)
+        model(prompts, torch.arange(9)[None].expand(2, -1), model.prefill_mask(9), c)
+        c.lengths += 9
+        return c
+
+    padded = model(tokens, positions, mask, cache(), capture_layers=(0, 1))
+    sizes = [t.size for t in trees]
+    packed = model(tokens, positions, mask, cache(), capture_layers=(0, 1), rows=torch.tensor(sizes))
+    assert packed.logits.shape == (sum(sizes), padded.logits.shape[-1])
+    same = torch.equal if cpu_gemm.float_kernel() else (lambda a, b: torch.allclose(a, b, atol=1e-5))
+    real = torch.cat([padded.logits[b, :n] for b, n in enumerate(sizes)])
+    assert same(packed.logits, real)
+    for b, n in enumerate(sizes):
+        assert same(packed.features[b, :n], padded.features[b, :n])
+        assert not packed.features[b, n:].any()
+    rules = [SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9)]
+    draws = positions + 1
+    want = SingleProcess().choose_rows(padded.logits, rules, [None, 7], draws)
+    got = SingleProcess().choose_rows(packed.logits, rules, [None, 7], draws, packed.packing)
+    for b, n in enumerate(sizes):
+        assert torch.equal(got[b, :n], want[b, :n])
+    with pytest.raises(ValueError, match="logits_to_keep"):
+        model(tokens, positions, mask, cache(), logits_to_keep=1, rows=torch.tensor(sizes))
+
+
 @pytest.mark.smollm2
 def test_smollm2_logits_match_transformers(smollm2):
     """Our fp32 SmolLM2-135M-Instruct (from the GGUF, cached as safetensors) against

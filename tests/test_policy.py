@@ -124,15 +124,39 @@ def test_a_smaller_budget_grows_the_prefix_of_the_larger_tree():
 
 
 def test_choose_takes_the_q_of_the_highest_predicted_rate():
-    # T(r) = 10 + r ms; gains 0 / .9 / 1.5 / 2.0 / 2.2 at Q = 1 / 2 / 3 / 5 / 9:
-    # rates 1/11, 1.9/12, 2.5/13, 3/15, 3.2/19 -> Q = 5
+    # T(r) = 10 + r ms; gains 0 / .9 / 1.5 / 2.0 / 2.2 at Q = 1 / 2 / 3 / 5 / 9 (the tree's
+    # first 0 / 1 / 2 / 4 / 8 nodes): rates 1/11, 1.9/12, 2.5/13, 3/15, 3.2/19 -> Q = 5
     policy = BudgetPolicy(CostCurve({1: 0.011, 1000: 1.010}))
-    gains = {1: 0.0, 2: 0.9, 3: 1.5, 5: 2.0, 9: 2.2}
-    decision = policy.choose(1, [1, 2, 3, 5, 9], [gains], draft_s=0.0)
+    curve = [0.0, 0.9, 1.5, 1.75, 2.0, 2.05, 2.1, 2.15, 2.2]
+    decision = policy.choose(1, [1, 2, 3, 5, 9], [curve], draft_s=0.0)
     assert decision.q == 5 and decision.predicted == 2.0 and decision.rate == pytest.approx(3 / 0.015)
+    assert decision.nodes == [4]
     # the same gains on a machine where rows cost nothing up to 64 (a GPU below its knee)
     flat = BudgetPolicy(CostCurve({1: 0.010, 64: 0.010}))
-    assert flat.choose(1, [1, 2, 3, 5, 9], [gains], draft_s=0.0).q == 9
+    assert flat.choose(1, [1, 2, 3, 5, 9], [curve], draft_s=0.0).q == 9
+
+
+def test_packed_rows_grant_each_tree_its_own_nodes():
+    """Where padding rows are not computed (the CPU), a step's cost follows its real rows, so
+    each tree gets the nodes whose marginal gain beats what their rows cost at the step's rate:
+    with T(r) = 10 + r ms and 4 streams, a node pays from (4 + gains) / (14 + nodes) ms. One
+    confident lookup chain (.95, .9, .85, .3 ...) and one poor draft (.2, .1): the chain gets
+    its first three nodes, the poor draft none (6.7 tokens in 17 ms). Padded, every sequence
+    pays for Q rows: the best there is one node each (Q = 2: 5.15 tokens in 18 ms)."""
+    curves = [[0.0, 0.95, 1.85, 2.70, 3.0, 3.1], [0.0, 0.2, 0.3]]
+    packed = BudgetPolicy(CostCurve({1: 0.011, 1000: 1.010}), packed=True)
+    decision = packed.choose(4, [1, 2, 3, 5, 9], curves, draft_s=0.0)
+    assert decision.nodes == [3, 0] and decision.q == 5
+    assert decision.predicted == pytest.approx(2.70)
+    assert decision.rate == pytest.approx(6.70 / 0.017)
+    padded = BudgetPolicy(CostCurve({1: 0.011, 1000: 1.010}))
+    narrow = padded.choose(4, [1, 2, 3, 5, 9], curves, draft_s=0.0)
+    assert narrow.q == 2 and narrow.nodes == [1, 1] and narrow.rate == pytest.approx(5.15 / 0.018)
+    # nothing pays where every row costs a plain step
+    steep = BudgetPolicy(CostCurve({1: 0.010, 1000: 10.0}), packed=True)
+    assert steep.choose(4, [1, 2, 3, 5, 9], curves, draft_s=0.0).nodes == [0, 0]
+    # the fixed budgets' nodes are rows already paid for: the same gains, at a higher base
+    assert packed.rows(4, 5, 7) == 11 and padded.rows(4, 5, 7) == 20
 
 
 def test_the_rest_of_a_step_is_learnt_apart_for_steps_with_trees():
@@ -140,7 +164,7 @@ def test_the_rest_of_a_step_is_learnt_apart_for_steps_with_trees():
     streams, so a step with trees (grown, walked, committed) was predicted as cheap as a plain
     one and small lookup trees were granted where they did not pay (4 streams: 0.94x plain)."""
     policy = BudgetPolicy(CostCurve({4: 0.010, 8: 0.011}))  # 4 rows: 10 ms, 8 rows: 11 ms
-    gains = {1: 0.0, 2: 0.5}  # half a token expected of a one-node tree
+    gains = [0.0, 0.5]  # half a token expected of a one-node tree
     for _ in range(50):
         policy.observe_step(4, 1, float("nan"), 0, 0.0, 0.001)  # plain steps: 1 ms of the rest
     assert policy.choose(4, [1, 2], [gains], draft_s=0.0).q == 2  # 4.5 / 12 ms > 4 / 11 ms
@@ -188,12 +212,15 @@ class RandomQ(BudgetPolicy):
         super().__init__(CostCurve({1: 1.0}))
         self.g = torch.Generator().manual_seed(seed)
 
-    def plan(self, batch, fixed_drafting, buckets, estimates):
+    def plan(self, batch, fixed_drafting, buckets, estimates, fixed_nodes=0):
         return [True] * len(estimates)
 
-    def choose(self, batch, buckets, gains, draft_s):
-        decision = super().choose(batch, buckets, gains, draft_s)
+    def choose(self, batch, buckets, curves, draft_s, fixed_nodes=0):
+        decision = super().choose(batch, buckets, curves, draft_s, fixed_nodes)
         decision.q = buckets[int(torch.randint(len(buckets), (1,), generator=self.g))]
+        # packed rows: each tree its own random count up to Q - 1 (padded: Q - 1 each)
+        decision.nodes = [int(torch.randint(decision.q, (1,), generator=self.g)) if self.packed else decision.q - 1
+                          for _ in curves]
         return decision
 
 

@@ -26,7 +26,7 @@ from ..config import SamplingParams
 from ..kernels.batched import top_k_candidates
 from ..kernels.tree import Candidates
 from .kv_pool import KVStorage
-from .model import TargetModel, TreeBits
+from .model import TargetModel, TreeBits, packs_rows
 
 
 @dataclass
@@ -43,6 +43,7 @@ class TargetBatch:
     sampling: list[SamplingParams]  # per row: its choice rule
     seeds: list[int | None]  # per row: the seed of its draws (None when greedy)
     draw_positions: torch.Tensor  # [B, K] int64: the position the token chosen at each kept row takes
+    rows: list[int] | None = None  # per row: its tree's real rows (the rest of its Q padding), when known
 
 
 @dataclass
@@ -56,6 +57,7 @@ class TargetStep:
 
 class BatchTarget(Protocol):
     device: torch.device  # where the Scheduler builds a step's tensors (and walks)
+    packs_rows: bool  # whether a step's cost follows its real rows, not B x Q (workers.model.Packing)
 
     def allocate(self, num_pages: int, page: int) -> None:
         """(Re)creates the KV storage: `num_pages` pages of `page` tokens."""
@@ -102,6 +104,10 @@ class LocalBatchTarget:
     def device(self) -> torch.device:
         return self.model.device
 
+    @property
+    def packs_rows(self) -> bool:
+        return packs_rows(self.model.device)
+
     def allocate(self, num_pages: int, page: int) -> None:
         self.storage = None  # the old one goes first
         self.storage = KVStorage(self.model.config, num_pages, page, self.model.dtype, self.model.device)
@@ -109,9 +115,14 @@ class LocalBatchTarget:
     def forward(self, batch: TargetBatch) -> TargetStep:
         t0 = time.perf_counter()
         dev = self.model.device
+        q_len = batch.tokens.shape[1]
+        rows = None  # a verify step whose trees leave padding rows: those are not computed
+        if self.packs_rows and batch.rows is not None and not batch.logits_to_keep and sum(batch.rows) < len(batch.rows) * q_len:
+            rows = torch.tensor(batch.rows, dtype=torch.int64, device=dev)
         out = self.model(batch.tokens.to(dev), batch.positions.to(dev), batch.mask.to(dev),
-                         self.storage.batch(batch.tables, batch.lengths), batch.capture, batch.logits_to_keep)
-        choices = self.model.parallel.choose_rows(out.logits, batch.sampling, batch.seeds, batch.draw_positions)
+                         self.storage.batch(batch.tables, batch.lengths), batch.capture, batch.logits_to_keep, rows)
+        choices = self.model.parallel.choose_rows(out.logits, batch.sampling, batch.seeds, batch.draw_positions,
+                                                  out.packing)
         return TargetStep(choices, out.features, time.perf_counter() - t0)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:

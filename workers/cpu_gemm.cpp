@@ -579,10 +579,11 @@ void row_values(const float* vp, const int64_t* keys, const float* p, int64_t n,
 // q [B, Hq, Q, D] float32; k, v: a layer's storage, any shape, float32 contiguous; offsets [B, S]
 // int64: the element offset in k / v of position p's key for key-value head 0 of sequence b
 // (key-value head g at + g * head_stride; query head h reads g = h / (Hq / kv_heads));
-// lengths [B] int64; mask [B, Q, Q] bool -> [B, Hq, Q, D]
+// lengths [B] int64; mask [B, Q, Q] bool; rows [B] int64 or none: sequence b's block rows past
+// rows[b] are padding, not computed (their output is zero) -> [B, Hq, Q, D]
 at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& offsets,
                           int64_t kv_heads, int64_t head_stride, const at::Tensor& lengths, const at::Tensor& mask,
-                          double scale) {
+                          double scale, const std::optional<at::Tensor>& rows) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "ddtree_cpu.tree_attention runs on CPU tensors");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "tree_attention is float32");
@@ -600,7 +601,16 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t* len = lc.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(len[b] >= 0 && len[b] + Q <= S, "sequence ", b, ": ", len[b], " + ", Q, " positions exceed the ", S, " offsets");
-  at::Tensor out = at::empty({B, Hq, Q, D}, q.options());
+  std::vector<int64_t> real(B, Q);  // block rows computed per sequence
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->numel() == B && rows->scalar_type() == at::kLong, "rows must be [B] int64");
+    const at::Tensor rc = rows->contiguous();
+    for (int64_t b = 0; b < B; ++b) {
+      real[b] = rc.data_ptr<int64_t>()[b];
+      TORCH_CHECK(real[b] >= 0 && real[b] <= Q, "sequence ", b, ": ", real[b], " rows of a ", Q, "-row block");
+    }
+  }
+  at::Tensor out = rows.has_value() ? at::zeros({B, Hq, Q, D}, q.options()) : at::empty({B, Hq, Q, D}, q.options());
   const float *qp = qc.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const int64_t* off = oc.data_ptr<int64_t>();
   const bool* mp = mc.data_ptr<bool>();
@@ -616,12 +626,14 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
     std::vector<int64_t> keys(S);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (kv_heads * tiles), g = (item / tiles) % kv_heads, tile = item % tiles;
-      const int64_t head = g * head_stride, context = len[b];
-      const int64_t first = tile * TILE_ROWS, rows = std::min(TILE_ROWS, group_rows - first);
+      const int64_t head = g * head_stride, context = len[b], nb = real[b];
+      // this sequence's rows: query head g * per_kv + r / nb, block row r % nb, for r < per_kv * nb
+      const int64_t first = tile * TILE_ROWS, rows = std::min(TILE_ROWS, per_kv * nb - first);
+      if (rows <= 0) continue;  // past its real rows
       const float* qrows[TILE_ROWS];
       float* scores[TILE_ROWS];
-      for (int64_t r = 0; r < rows; ++r) {  // row first + r: query head g * per_kv + (first + r) / Q, block row (first + r) % Q
-        const int64_t h = g * per_kv + (first + r) / Q, i = (first + r) % Q;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t h = g * per_kv + (first + r) / nb, i = (first + r) % nb;
         qrows[r] = qp + ((b * Hq + h) * Q + i) * D;
         scores[r] = buffer.data() + r * (S + HEAD_LANES);
       }
@@ -632,7 +644,7 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
         default: tile_scores<1>(qrows, kp, keys.data(), context, D, sc, scores); break;
       }
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t h = g * per_kv + (first + r) / Q, i = (first + r) % Q;
+        const int64_t h = g * per_kv + (first + r) / nb, i = (first + r) % nb;
         float* sp = scores[r];
         int64_t n = context;  // then the block keys this row sees, in block order
         for (int64_t j = 0; j < Q; ++j)
@@ -666,7 +678,7 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 #else
 at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& offsets,
                           int64_t kv_heads, int64_t head_stride, const at::Tensor& lengths, const at::Tensor& mask,
-                          double scale) {
+                          double scale, const std::optional<at::Tensor>& rows) {
   TORCH_CHECK(false, "ddtree_cpu.tree_attention is built for AVX2 CPUs (torch's SDPA serves elsewhere)");
 }
 #endif
@@ -679,6 +691,6 @@ TORCH_LIBRARY(ddtree_cpu, m) {
   m.def("float_mm(Tensor x, Tensor w) -> Tensor");
   m.impl("float_mm", c10::DispatchKey::CPU, TORCH_FN(float_mm));
   m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor offsets, int kv_heads, int head_stride, Tensor lengths, "
-        "Tensor mask, float scale) -> Tensor");
+        "Tensor mask, float scale, Tensor? rows=None) -> Tensor");
   m.impl("tree_attention", c10::DispatchKey::CPU, TORCH_FN(tree_attention));
 }

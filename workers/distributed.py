@@ -42,7 +42,7 @@ from .batch_backends import DraftRows, LocalBatchDrafter, LocalBatchTarget, Targ
 from .requests import Budget, Request, Result, Update, check_budget
 from .drafter import DFlashConfig, DFlashDrafter
 from .loading import load_target_heads, load_target_weights, load_tokenizer
-from .model import ModelConfig
+from .model import ModelConfig, packs_rows
 from .policy import CostCurve, measure_step_cost
 from .scheduler import BatchLimits, Scheduler, row_counts
 from .tensor_parallel import ShardSpec, TensorParallel
@@ -92,6 +92,10 @@ class TargetShardWorker:
 
     def ready(self) -> bool:
         return True
+
+    def packs_rows(self) -> bool:
+        """Whether this shard computes a padded step's real rows only (workers.model.Packing)."""
+        return packs_rows(self.device)
 
     def address(self) -> tuple[str, int]:
         """Where shard 0 hosts the process group's rendezvous: this node's IP and a free port."""
@@ -188,8 +192,9 @@ class ShardedBatchTarget:
 
     device = torch.device("cpu")
 
-    def __init__(self, shards: list):
+    def __init__(self, shards: list, packs_rows: bool = False):
         self.shards = shards
+        self.packs_rows = packs_rows  # the shards' (their device's) choice, see workers.model.Packing
         self.names = [f"target shard {r}" for r in range(len(shards))]
         self.moves: list[tuple[torch.Tensor, torch.Tensor]] = []  # not yet sent
 
@@ -280,11 +285,12 @@ class SchedulerActor:
             host, port = _get([shards[0].address.remote()], ["target shard 0"])[0]
             _get([s.join.remote(host, port) for s in shards], [f"target shard {r}" for r in range(len(shards))])
             block_size, layer_ids = _get([drafter.shape.remote()], ["drafter"])[0]
+            packs = _get([shards[0].packs_rows.remote()], ["target shard 0"])[0]
         except WorkerDiedError:
             self._stop_workers()
             raise
         self.scheduler = Scheduler(
-            ShardedBatchTarget(shards),
+            ShardedBatchTarget(shards, packs),
             RemoteBatchDrafter(drafter, block_size, layer_ids),
             self.budget,
             self.limits,

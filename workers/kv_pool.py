@@ -126,8 +126,8 @@ class PagedBatch:
     tables: list[list[int]]  # per row: its pages, covering lengths[b] + Q positions
     lengths: torch.Tensor  # [B] int64, committed positions per row; the block starts there
 
-    def bind(self, block_mask, q_len: int) -> "PagedView":
-        return PagedView(self, block_mask, q_len)
+    def bind(self, block_mask, q_len: int, rows: torch.Tensor | None = None) -> "PagedView":
+        return PagedView(self, block_mask, q_len, rows)
 
 
 class PagedView:
@@ -137,8 +137,9 @@ class PagedView:
     dense cache row, so the same attention runs: a [B, 1, Q, span] mask (kernels'
     `slot_mask`), or on CUDA the tree-attention kernel over TreeBits."""
 
-    def __init__(self, batch: PagedBatch, block_mask, q_len: int):
+    def __init__(self, batch: PagedBatch, block_mask, q_len: int, rows: torch.Tensor | None = None):
         pool, lengths = batch.pool, batch.lengths
+        self.rows = rows  # [B] real block rows per sequence (workers.model.Packing), or None
         dev = lengths.device
         self.pool, self.lengths = pool, lengths
         self.span = int(lengths.max()) + q_len
@@ -161,7 +162,7 @@ class PagedView:
         pool_v.index_copy_(0, self.write_slots, v.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(pool_v.dtype))
         if self.cpu:
             return torch.ops.ddtree_cpu.tree_attention(q, pool_k, pool_v, self.offsets, kv_heads, head_dim, self.lengths,
-                                                       self.mask, 1.0 / math.sqrt(head_dim))
+                                                       self.mask, 1.0 / math.sqrt(head_dim), self.rows)
         keys = pool_k.index_select(0, self.read_slots).view(b, self.span, kv_heads, head_dim).transpose(1, 2)
         values = pool_v.index_select(0, self.read_slots).view(b, self.span, kv_heads, head_dim).transpose(1, 2)
         return self.attention(q, keys, values)

@@ -297,6 +297,44 @@ def dense_block_mask(block_mask, batch: int) -> torch.Tensor:
     return dense.to(torch.bool).expand(batch, -1, -1).contiguous()
 
 
+@dataclass
+class Packing:
+    """The real rows of a block padded to Q rows per sequence: `index` [N] (ascending) of the
+    B x Q rows that are not padding. A step pads every tree to one Q; on the CPU, where a
+    GEMM's time grows with its rows, the linears, norms and LM head run over the N real rows
+    only, and attention (per sequence, in the padded layout) skips the padding rows (`rows`).
+    float_mm and tree_attention compute each row by itself, so a real row's result is bitwise
+    the padded forward's.
+
+    Example: sizes [3, 1], Q = 3 -> index [0, 1, 2, 3], rows [3, 1]: sequence 1's rows 1 and 2
+    are padding."""
+
+    index: torch.Tensor  # [N] int64 into the flattened [B * Q] rows
+    rows: torch.Tensor  # [B] int64 real rows per sequence (the first rows[b] of its block)
+    batch: int
+    q_len: int
+
+    @classmethod
+    def of(cls, rows: torch.Tensor, q_len: int) -> "Packing":
+        real = torch.arange(q_len, device=rows.device)[None, :] < rows[:, None]
+        return cls(real.view(-1).nonzero().view(-1), rows, rows.shape[0], q_len)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, Q, ...] -> [N, ...]"""
+        return x.reshape(self.batch * self.q_len, *x.shape[2:]).index_select(0, self.index)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, ...] -> [B, Q, ...], zeros in the padding rows"""
+        out = x.new_zeros(self.batch * self.q_len, *x.shape[1:])
+        return out.index_copy_(0, self.index, x).view(self.batch, self.q_len, *x.shape[1:])
+
+
+def packs_rows(device: torch.device) -> bool:
+    """Whether a forward on `device` computes a padded block's real rows only (Packing): on
+    the CPU, yes; on a GPU a verify's rows are nearly free and static shapes serve its graphs."""
+    return torch.device(device).type == "cpu"
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same checkpoint names) computing through `linear`."""
 
@@ -414,8 +452,8 @@ class KVCache:
     def slots(self) -> int:
         return self.k.shape[3]
 
-    def bind(self, block_mask, q_len: int) -> "DenseView":
-        return DenseView(self, block_mask, q_len)
+    def bind(self, block_mask, q_len: int, rows: torch.Tensor | None = None) -> "DenseView":
+        return DenseView(self, block_mask, q_len, rows)
 
 
 def slot_mask(lengths: torch.Tensor, block_mask: torch.Tensor, span: int) -> torch.Tensor:
@@ -439,8 +477,8 @@ class DenseView:
     attends over slots [0, span) under `mask` [B, 1, Q, span] bool -- or, on the device path,
     under TreeBits read by the Triton tree-attention kernel (no host read of the lengths)."""
 
-    def __init__(self, cache: KVCache, block_mask, q_len: int):
-        self.cache = cache
+    def __init__(self, cache: KVCache, block_mask, q_len: int, rows: torch.Tensor | None = None):
+        self.cache, self.rows = cache, rows  # rows: [B] real block rows per sequence (Packing), or None
         kernel = uses_kernel(block_mask, cache.k)
         # the kernel bounds each row by its length; the reference reads [0, longest + Q)
         self.span = cache.slots if kernel else int(cache.lengths.max()) + q_len
@@ -465,7 +503,7 @@ class DenseView:
         if self.cpu:
             return torch.ops.ddtree_cpu.tree_attention(q, cache.k[layer], cache.v[layer], self.offsets, kv_heads,
                                                        cache.slots * head_dim, cache.lengths, self.mask,
-                                                       1.0 / math.sqrt(head_dim))
+                                                       1.0 / math.sqrt(head_dim), self.rows)
         return self.attention(q, cache.k[layer, :, :, : self.span], cache.v[layer, :, :, : self.span])
 
 
@@ -511,12 +549,15 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, x, cos, sin, layer: int, view):
-        """x [B, Q, H]. `view` (the cache bound to this forward: DenseView or a paged pool's
-        view) writes the block's keys and values into its cache and attends over what each
-        query may see."""
-        b, q_len, _ = x.shape
+    def forward(self, x, cos, sin, layer: int, view, packing: Packing | None = None):
+        """x [B, Q, H], or [N, H] with `packing` (the real rows of a padded block: they attend
+        in the padded layout, the padding rows zero). `view` (the cache bound to this forward:
+        DenseView or a paged pool's view) writes the block's keys and values into its cache and
+        attends over what each query may see."""
         q, k, v = self.qkv(x)
+        if packing is not None:
+            q, k, v = packing.unpack(q), packing.unpack(k), packing.unpack(v)
+        b, q_len = q.shape[:2]
         q = q.view(b, q_len, self.heads, self.head_dim)
         k = k.view(b, q_len, self.kv_heads, self.head_dim)
         v = v.view(b, q_len, self.kv_heads, self.head_dim)
@@ -525,8 +566,8 @@ class Attention(nn.Module):
         # queries and keys rotate together: one set of ops for both
         qk = apply_rope(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin)
         q, k = qk.split([self.heads, self.kv_heads], dim=1)
-        out = view.attend(layer, q, k, v.transpose(1, 2))
-        return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+        out = view.attend(layer, q, k, v.transpose(1, 2)).transpose(1, 2).reshape(b, q_len, -1)
+        return self.o_proj(out if packing is None else packing.pack(out))
 
 
 class DecoderLayer(nn.Module):
@@ -537,9 +578,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, layer, view, reduce):
+    def forward(self, x, cos, sin, layer, view, reduce, packing=None):
         """`reduce` sums the partial outputs of tensor-parallel shards (identity in one process)."""
-        x = x + reduce(self.self_attn(self.input_layernorm(x), cos, sin, layer, view))
+        x = x + reduce(self.self_attn(self.input_layernorm(x), cos, sin, layer, view, packing))
         return x + reduce(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -573,7 +614,7 @@ class SingleProcess:
         return choose_tokens(logits, params, seed, positions)
 
     def choose_rows(self, logits: torch.Tensor, sampling: list, seeds: list[int | None],
-                    draw_positions: torch.Tensor) -> torch.Tensor:
+                    draw_positions: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
         """[B, K] the target's token at every kept row, each row by its own rule: the argmax when
         greedy, else the seeded draw for the position the token takes (kernels.sampling's rule,
         batched). logits [B, K, V] (on a tensor-parallel shard [B, K, V_local], and every shard
@@ -583,6 +624,8 @@ class SingleProcess:
         Example: rows (greedy, seed 7), K = 2 -> row 0 is logits[0].argmax(-1); row 1 is the
         inverse-CDF draw of processed_probs(logits[1]) at u(7, draw_positions[1, k]) for k = 0, 1.
         """
+        if packing is not None:
+            return self._choose_packed(logits, sampling, seeds, draw_positions, packing)
         b, k, _ = logits.shape
         choices = torch.empty((b, k), dtype=torch.int64, device=logits.device)
         greedy = [r for r in range(b) if is_greedy(sampling[r])]
@@ -595,11 +638,29 @@ class SingleProcess:
             choices[r] = sampled_choices(probs[None], seed, draw_positions[r : r + 1].to(logits.device))[0]
         return choices
 
+    def _choose_packed(self, logits, sampling, seeds, draw_positions, packing: Packing) -> torch.Tensor:
+        """choose_rows over packed logits [N, V] (every row kept): [B, Q], padding rows 0."""
+        flat = torch.zeros(packing.batch * packing.q_len, dtype=torch.int64, device=logits.device)
+        owner = packing.index // packing.q_len  # [N] each real row's sequence
+        greedy = torch.tensor([is_greedy(p) for p in sampling], device=logits.device)
+        chosen = greedy[owner].nonzero().view(-1)
+        if len(chosen):
+            flat[packing.index[chosen]] = self.choose(logits[chosen], GREEDY, None, []).to(logits.device)
+        starts = torch.cat([packing.rows.new_zeros(1), packing.rows.cumsum(0)]).tolist()
+        for r in [r for r in range(packing.batch) if not is_greedy(sampling[r]) and packing.rows[r] > 0]:
+            n = starts[r + 1] - starts[r]
+            probs = processed_probs(self.gather_vocab(logits[starts[r] : starts[r + 1]]), sampling[r])
+            seed = torch.tensor([seeds[r]], dtype=torch.int64, device=logits.device)
+            picks = sampled_choices(probs[None], seed, draw_positions[r : r + 1, :n].to(logits.device))[0]
+            flat[r * packing.q_len : r * packing.q_len + n] = picks
+        return flat.view(packing.batch, packing.q_len)
+
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [B, Q_keep, V] (the last Q_keep rows; a shard: its vocabulary slice)
+    logits: torch.Tensor  # [B, Q_keep, V] (the last Q_keep rows; a shard: its vocabulary slice); packed: [N, V]
     features: torch.Tensor | None  # [B, Q, len(capture_layers) * H], outputs of those layers
+    packing: Packing | None = None  # a packed forward's real rows (its logits are theirs alone)
 
 
 class TargetModel(nn.Module):
@@ -647,23 +708,30 @@ class TargetModel(nn.Module):
         cache,  # KVCache, or a batch of a paged pool (workers.kv_pool.PagedBatch): bind(mask, Q)
         capture_layers: tuple[int, ...] = (),
         logits_to_keep: int = 0,  # 0 = every row
+        rows: torch.Tensor | None = None,  # [B] int64: real rows per block, the rest padding (see Packing)
     ) -> ForwardOutput:
         """Runs the block over the committed prefix in `cache` and writes the block's keys and
         values at slots lengths[b] ... lengths[b] + Q - 1. It does not advance `lengths`: the
-        caller commits what it keeps (see kernels.tree.compact_kv)."""
+        caller commits what it keeps (see kernels.tree.compact_kv). With `rows` (every row kept,
+        logits_to_keep 0), the padding rows are not computed: the logits come back packed."""
         b, q_len = tokens.shape
-        view = cache.bind(block_mask, q_len)
+        packing = None
+        if rows is not None:
+            if logits_to_keep:
+                raise ValueError("a packed forward keeps every real row's logits (logits_to_keep 0)")
+            packing = Packing.of(rows.to(tokens.device), q_len)
+        view = cache.bind(block_mask, q_len, None if packing is None else packing.rows)
         cos, sin = rope_cos_sin(positions, self.rope, self.dtype)
-        x = self.parallel.embed(self.model.embed_tokens, tokens)
+        x = self.parallel.embed(self.model.embed_tokens, tokens if packing is None else packing.pack(tokens))
         captured = []
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, i, view, self.parallel.all_reduce)
+            x = layer(x, cos, sin, i, view, self.parallel.all_reduce, packing)
             if i in capture_layers:
-                captured.append((capture_layers.index(i), x))
+                captured.append((capture_layers.index(i), x if packing is None else packing.unpack(x)))
         keep = x[:, -logits_to_keep:] if logits_to_keep else x
         logits = self.lm_head(self.model.norm(keep))
         features = torch.cat([t for _, t in sorted(captured, key=lambda p: p[0])], dim=-1) if captured else None
-        return ForwardOutput(logits=logits, features=features)
+        return ForwardOutput(logits=logits, features=features, packing=packing)
 
     def prefill_mask(self, q_len: int) -> torch.Tensor:
         """[1, Q, Q] causal mask for a plain (chain) block."""

@@ -44,6 +44,7 @@ The policy only chooses tree shapes, never tokens: output is the target's own at
 
 from __future__ import annotations
 
+import heapq
 import math
 import statistics
 import time
@@ -65,6 +66,7 @@ HOPE_RISE = 0.01  # ... and each step in which nothing drafts, this far back to 
 FIRST_PROBE = 8  # a sequence that does not draft drafts anyway after this many steps ...
 LAST_PROBE = 64  # ... doubling each time up to this: acceptance that collapsed is re-probed cheaply
 CALIBRATION_CONTEXT = 64  # committed tokens before the rows `measure_step_cost` times
+STALE = 24  # packed rows: nodes granted past the best rate seen before the policy stops looking
 
 
 class CostCurve:
@@ -190,16 +192,26 @@ class SequenceEstimate:
 
 @dataclass
 class Decision:
-    q: int  # the step's verify rows per sequence
+    q: int  # the step's verify rows per sequence (the bucket its largest tree fills)
     predicted: float  # expected accepted tokens of the whole step
     rate: float  # predicted output tokens per second
+    nodes: list[int] = field(default_factory=list)  # per auto tree (choose's order): its drafted nodes
+
+
+def by_bucket(curve: list[float], buckets: list[int]) -> dict[int, float]:
+    """A gain curve (expected accepted tokens of a tree's first n nodes, n = 0 ... N) per
+    bucket Q: its first Q - 1 nodes, or all N."""
+    return {q: curve[min(q - 1, len(curve) - 1)] for q in buckets}
 
 
 class BudgetPolicy:
     """The costs and acceptance estimates of one scheduler, and its two decisions per step."""
 
-    def __init__(self, step_cost: CostCurve | None = None, cap: int = 64):
+    def __init__(self, step_cost: CostCurve | None = None, cap: int = 64, packed: bool = False):
         self.cap = cap  # the most drafted nodes a sequence may be granted
+        # whether a step's target cost follows its real rows (B + the nodes: padding rows are
+        # not computed, workers.model.Packing) or B x Q; the scheduler sets it from its target
+        self.packed = packed
         self.verify = step_cost or CostCurve()
         self.draft = CostCurve()
         self.other = CostCurve()  # the rest of a plain step (Q = 1) ...
@@ -221,21 +233,29 @@ class BudgetPolicy:
     def _other(self, q: int) -> CostCurve:
         return self.other_trees if q > 1 and self.other_trees else self.other
 
-    def _time(self, batch: int, q: int, drafting: int) -> float:
-        return self.verify.predict(batch * q) + (self.draft.predict(drafting) if drafting else 0.0) + \
+    def rows(self, batch: int, q: int, nodes: int) -> int:
+        """Target rows of a step of `batch` sequences padded to Q, `nodes` drafted in all."""
+        return batch + nodes if self.packed else batch * q
+
+    def _time(self, batch: int, q: int, drafting: int, fixed_nodes: int = 0) -> float:
+        """A step in which `drafting` auto sequences fill Q - 1 nodes each."""
+        rows = self.rows(batch, q, fixed_nodes + drafting * (q - 1))
+        return self.verify.predict(rows) + (self.draft.predict(drafting) if drafting else 0.0) + \
             self._other(q).predict(batch)
 
-    def plan(self, batch: int, fixed_drafting: int, buckets: list[int], estimates: list[SequenceEstimate]) -> list[bool]:
+    def plan(self, batch: int, fixed_drafting: int, buckets: list[int], estimates: list[SequenceEstimate],
+             fixed_nodes: int = 0) -> list[bool]:
         """Before drafting: which of the auto sequences (`estimates`) draft this step: those of
-        the (Q, set) with the highest predicted rate from their recent gains, and the probes."""
+        the (Q, set) with the highest predicted rate from their recent gains, and the probes.
+        `fixed_nodes`: the nodes the fixed budgets' trees ask for."""
         if not estimates:  # a batch of fixed budgets only: nothing to plan
             return []
         due = {i for i, e in enumerate(estimates) if e.gain is None or e.idle >= e.probe_after}
-        chosen = set(self._best_set(batch, fixed_drafting, buckets, {
+        chosen = set(self._best_set(batch, fixed_drafting, fixed_nodes, buckets, {
             i: e.gain for i, e in enumerate(estimates) if i not in due}))
         if due and self.hope is not None:  # probe only those that could pay, were they the best seen
             hopeful = {i: (self.hope if i in due else e.gain) for i, e in enumerate(estimates)}
-            due &= set(self._best_set(batch, fixed_drafting, buckets, hopeful))
+            due &= set(self._best_set(batch, fixed_drafting, fixed_nodes, buckets, hopeful))
         for i, e in enumerate(estimates):
             if i in chosen:
                 e.idle, e.probe_after = 0, FIRST_PROBE
@@ -245,7 +265,8 @@ class BudgetPolicy:
                 e.idle += 1
         return [i in chosen or i in due for i in range(len(estimates))]
 
-    def _best_set(self, batch: int, fixed_drafting: int, buckets: list[int], gains: dict[int, dict[int, float]]) -> list[int]:
+    def _best_set(self, batch: int, fixed_drafting: int, fixed_nodes: int, buckets: list[int],
+                  gains: dict[int, dict[int, float]]) -> list[int]:
         """The sequences (keys of `gains`) whose drafting gives the highest predicted rate at
         the best Q: for each Q, the k with the largest gains, for every k."""
         best, best_rate = [], -1.0
@@ -258,44 +279,93 @@ class BudgetPolicy:
                     tokens += gain[order[k - 1]]
                 if q == 1 and k:
                     break  # a root-only tree gains nothing from a draft
-                rate = tokens / max(self._time(batch, q, k + fixed_drafting), 1e-9)
+                rate = tokens / max(self._time(batch, q, k + fixed_drafting, fixed_nodes), 1e-9)
                 if rate > best_rate:
                     best, best_rate = order[:k], rate
         return best
 
-    def gains(self, tree: Tree, estimate: SequenceEstimate, buckets: list[int]) -> dict[int, float]:
-        """This step's expected accepted tokens of `tree`'s first Q - 1 nodes, per bucket Q."""
-        drafted, chain = source_masses(tree, [q - 1 for q in buckets], tree.on_chain())
-        e = expected_accepted(drafted, estimate.acceptance.factors(drafted.shape[-1]), chain) * self.bias
-        return dict(zip(buckets, e.tolist()))
+    def curve(self, tree: Tree, estimate: SequenceEstimate, most: int) -> list[float]:
+        """This step's expected accepted tokens of `tree`'s first n nodes, n = 0 ... min(its
+        nodes, most)."""
+        drafted, chain = source_masses(tree, list(range(min(tree.size - 1, most) + 1)), tree.on_chain())
+        return (expected_accepted(drafted, estimate.acceptance.factors(drafted.shape[-1]), chain) * self.bias).tolist()
 
-    def chain_gains(self, branch: Lookup, buckets: list[int]) -> dict[int, float]:
-        """`gains` of the tree that is `branch`'s lookup chain alone, without growing it: its
-        first Q - 1 nodes, the node at depth d reached with the product of the chain's first d
-        probabilities (calibrated already: no factors)."""
+    def gains(self, tree: Tree, estimate: SequenceEstimate, buckets: list[int]) -> dict[int, float]:
+        """`curve` per bucket Q: the expected accepted tokens of `tree`'s first Q - 1 nodes."""
+        return by_bucket(self.curve(tree, estimate, max(buckets) - 1), buckets)
+
+    def chain_curve(self, branch: Lookup, most: int) -> list[float]:
+        """`curve` of the tree that is `branch`'s lookup chain alone, without growing it: the
+        node at depth d reached with the product of the chain's first d probabilities
+        (calibrated already: no factors)."""
         reach, expected, upto = 0.0, 0.0, [0.0]
-        for logprob in branch.logprobs:
+        for logprob in branch.logprobs[:most]:
             reach += logprob
             expected += min(1.0, math.exp(reach))
-            upto.append(expected)
-        return {q: upto[min(q - 1, len(branch.logprobs))] * self.bias for q in buckets}
+            upto.append(expected * self.bias)
+        return upto
+
+    def chain_gains(self, branch: Lookup, buckets: list[int]) -> dict[int, float]:
+        return by_bucket(self.chain_curve(branch, max(buckets) - 1), buckets)
 
     @property
     def bias(self) -> float:
         """Realized over predicted accepted tokens of the recent verified trees (1 at first)."""
         return (self._bias_hits + 1.0) / (self._bias_mass + 1.0)
 
-    def choose(self, batch: int, buckets: list[int], gains: list[dict[int, float]], draft_s: float) -> Decision:
-        """After drafting: the Q of the highest predicted rate, from each drafted auto
-        sequence's gains this step (`gains`) and the draft time already spent."""
+    def choose(self, batch: int, buckets: list[int], curves: list[list[float]], draft_s: float,
+               fixed_nodes: int = 0) -> Decision:
+        """After drafting: each auto tree's nodes (a best-first prefix) and the step's Q, of the
+        highest predicted rate, from the auto trees' gain `curves` this step (`curve`), the draft
+        time already spent and the fixed budgets' nodes. Padded (B x Q rows): one Q, every auto
+        tree its first Q - 1 nodes. Packed (the real rows): per tree, nodes in order of their
+        marginal gain, as long as the rate rises (`_choose_nodes`)."""
+        if self.packed:
+            return self._choose_nodes(batch, buckets, curves, draft_s, fixed_nodes)
         best = None
         for q in buckets:
-            predicted = sum(g[q] for g in gains)
+            predicted = sum(c[min(q - 1, len(c) - 1)] for c in curves)
             seconds = self.verify.predict(batch * q) + draft_s + self._other(q).predict(batch)
             rate = (batch + predicted) / max(seconds, 1e-9)
             if best is None or rate > best.rate:
-                best = Decision(q, predicted, rate)
+                best = Decision(q, predicted, rate, [q - 1] * len(curves))
         return best
+
+    def _choose_nodes(self, batch: int, buckets: list[int], curves: list[list[float]], draft_s: float,
+                      fixed_nodes: int) -> Decision:
+        """Packed rows: a node costs the rows it adds wherever it is, so nodes are granted one at
+        a time, the highest marginal gain of any tree's next node first (a best-first tree's
+        marginal gains fall, mostly), keeping the count of the best rate seen; it stops once
+        STALE more nodes have not beaten it."""
+        most = buckets[-1] - 1
+        base = batch + fixed_nodes
+        other_trees = self._other(2)
+
+        def seconds(nodes: int) -> float:
+            other = other_trees if nodes + fixed_nodes else self.other
+            return self.verify.predict(base + nodes) + draft_s + other.predict(batch)
+
+        nodes = [0] * len(curves)
+        queue = [(-(c[1] - c[0]), i) for i, c in enumerate(curves) if len(c) > 1 and most > 0]
+        heapq.heapify(queue)
+        tokens, added = float(batch), 0
+        best_rate, best_nodes, best_tokens, stale = tokens / max(seconds(0), 1e-9), list(nodes), tokens, 0
+        while queue and stale < STALE:
+            gain, i = heapq.heappop(queue)
+            nodes[i] += 1
+            tokens -= gain
+            added += 1
+            n = nodes[i]
+            if n < min(len(curves[i]) - 1, most):
+                heapq.heappush(queue, (-(curves[i][n + 1] - curves[i][n]), i))
+            rate = tokens / max(seconds(added), 1e-9)
+            if rate > best_rate:
+                best_rate, best_nodes, best_tokens, stale = rate, list(nodes), tokens, 0
+            else:
+                stale += 1
+        widest = 1 + max(best_nodes, default=0)
+        q = next((b for b in buckets if b >= widest), buckets[-1])
+        return Decision(q, best_tokens - batch, best_rate, best_nodes)
 
     def observe_round(self, estimate: SequenceEstimate, tree: Tree, gains: dict[int, float] | None,
                       path: list[int]) -> float:
@@ -326,13 +396,15 @@ class BudgetPolicy:
         self.batch.observe(reach, off_chain)
         return predicted
 
-    def observe_step(self, batch: int, q: int, verify_s: float, drafting: int, draft_s: float, other_s: float) -> None:
-        """The step's measured times: the target's forward over batch x q rows, the drafter's
-        pass over `drafting` sequences, the rest."""
+    def observe_step(self, batch: int, q: int, verify_s: float, drafting: int, draft_s: float, other_s: float,
+                     nodes: int = 0) -> None:
+        """The step's measured times: the target's forward over its rows (`rows`: batch x q, or
+        batch + the `nodes` of its trees when packed), the drafter's pass over `drafting`
+        sequences, the rest."""
         if not drafting and self.hope is not None:
             self.hope = {q: h + HOPE_RISE * (self.best_seen.get(q, h) - h) for q, h in self.hope.items()}
         if math.isfinite(verify_s) and verify_s > 0:
-            self.verify.observe(batch * q, verify_s)
+            self.verify.observe(self.rows(batch, q, nodes), verify_s)
         if drafting and draft_s > 0:
             self.draft.observe(drafting, draft_s)
         if other_s > 0:

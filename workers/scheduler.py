@@ -49,7 +49,7 @@ from .requests import (Budget, Request, Result, RoundStats, Update, accepted_sou
 from .kv_pool import PageAllocator, PoolFull
 from .lookup import BATCH_DECAY as LOOKUP_BATCH_DECAY, LookupCalibration, SequenceLookup
 from .model import TreeBits
-from .policy import BudgetPolicy, SequenceEstimate
+from .policy import BudgetPolicy, SequenceEstimate, by_bucket
 
 # Verify row counts Q a step may use: a budget-2^k tree (2^k + 1 rows) fills its bucket exactly.
 VERIFY_BUCKETS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1025, 2049)
@@ -154,6 +154,7 @@ class Scheduler:
         self.limits, self.decode = limits, decode
         self.budget = check_budget(budget, drafter is not None)
         self.policy = policy or BudgetPolicy()
+        self.policy.packed = getattr(target, "packs_rows", False)  # its cost model follows the target's rows
         self.lookup = lookup
         self.record_features = tuple(record_features)
         self.lookup_calibration = LookupCalibration(LOOKUP_BATCH_DECAY)  # engine-wide, every sequence's prior
@@ -333,7 +334,8 @@ class Scheduler:
         fixed = [b for b, (seq, nodes) in enumerate(zip(rows, granted)) if nodes and seq.drafting]
         q_floor = bucket(1 + max(granted))
         buckets = [q for q in VERIFY_BUCKETS if q_floor <= q <= q_max and q - 1 <= self.policy.cap] or [q_floor]
-        plan = self.policy.plan(len(rows), len(fixed), buckets, [rows[b].estimate for b in auto])
+        plan = self.policy.plan(len(rows), len(fixed), buckets, [rows[b].estimate for b in auto],
+                                sum(granted[b] for b in fixed))
         auto = [b for b, drafts in zip(auto, plan) if drafts]
         for b in auto:
             granted[b] = buckets[-1] - 1
@@ -360,21 +362,23 @@ class Scheduler:
         # choose Q = 1): its gains follow from the chain's probabilities
         trees = [grow_tree(seq.output[-1], candidates[b], granted[b], branches.get(b))
                  if b in candidates else Tree.root_only(seq.output[-1]) for b, seq in enumerate(rows)]
-        gains = {b: self.policy.gains(trees[b], rows[b].estimate, buckets) if b in candidates
-                 else self.policy.chain_gains(branches[b], buckets) for b in auto_trees}
-        if auto_trees:  # the policy's Q: its auto trees are the best-first prefixes that fill it
-            decision = self.policy.choose(len(rows), buckets, list(gains.values()), t1 - t0)
-            for b in auto_trees:
-                granted[b] = decision.q - 1
+        most = buckets[-1] - 1
+        curves = {b: self.policy.curve(trees[b], rows[b].estimate, most) if b in candidates
+                  else self.policy.chain_curve(branches[b], most) for b in auto_trees}
+        if auto_trees:  # the policy's nodes per auto tree: each its best-first prefix of them
+            fixed_nodes = sum(trees[b].size - 1 for b in range(len(rows)) if b not in curves)
+            decision = self.policy.choose(len(rows), buckets, list(curves.values()), t1 - t0, fixed_nodes)
+            for b, nodes in zip(auto_trees, decision.nodes):
+                granted[b] = nodes
                 if b in candidates:
-                    trees[b] = trees[b].prefix(granted[b])
-                elif granted[b]:
-                    trees[b] = grow_tree(rows[b].output[-1], None, granted[b], branches[b])
+                    trees[b] = trees[b].prefix(nodes)
+                elif nodes:
+                    trees[b] = grow_tree(rows[b].output[-1], None, nodes, branches[b])
         draft_s = [(t1 - t0) / len(drafting) if b in candidates else 0.0 for b in range(len(rows))]
         tree_s = time.perf_counter() - t1
         # a tree verified without drafting (a lookup branch alone) says nothing of the gains
         # drafting would bring: a sequence's estimated gains move only with its drafted trees
-        gains = {b: g for b, g in gains.items() if b in candidates}
+        gains = {b: by_bucket(c, buckets) for b, c in curves.items() if b in candidates}
         q_len = bucket(max(t.size for t in trees))
         rows, trees, draft_s, granted, gains = self._reserve(rows, trees, draft_s, granted, gains, q_len)
         if not rows:
@@ -392,6 +396,7 @@ class Scheduler:
             tables=[s.pages for s in rows], lengths=[s.length for s in rows], capture=capture, logits_to_keep=0,
             sampling=[s.request.sampling for s in rows], seeds=[s.seed for s in rows],
             draw_positions=meta.positions + 1,  # each node's choice is the token after it
+            rows=[t.size for t in trees],
         ))
         t3 = time.perf_counter()
 
@@ -436,7 +441,8 @@ class Scheduler:
                                          budget=granted_budget, predicted=predicted,
                                          accepted_sources=accepted_sources(tree, path)))
         t5 = time.perf_counter()
-        self.policy.observe_step(len(rows), q_len, t3 - t2, len(drafting), t1 - t0, (t5 - t0) - (t3 - t2) - (t1 - t0))
+        self.policy.observe_step(len(rows), q_len, t3 - t2, len(drafting), t1 - t0, (t5 - t0) - (t3 - t2) - (t1 - t0),
+                                 sum(t.size - 1 for t in trees))
         return rows
 
     def _lookup_branches(self, rows: list[_Sequence]) -> dict:
