@@ -215,7 +215,8 @@ def rope_cos_sin(positions: torch.Tensor, rope: Rope, dtype: torch.dtype):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, Q, D]; rotate-half convention of Hugging Face llama / qwen3."""
+    """x [..., D] with cos, sin broadcast to it (e.g. x [B, heads, Q, D], cos [B, 1, Q, D]);
+    rotate-half convention of Hugging Face llama / qwen3."""
     half = x.shape[-1] // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -318,6 +319,16 @@ class Packing:
     def of(cls, rows: torch.Tensor, q_len: int) -> "Packing":
         real = torch.arange(q_len, device=rows.device)[None, :] < rows[:, None]
         return cls(real.view(-1).nonzero().view(-1), rows, rows.shape[0], q_len)
+
+    @property
+    def sequences(self) -> torch.Tensor:
+        """[N] each real row's sequence b"""
+        return self.index // self.q_len
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[N] each real row's place in its block"""
+        return self.index % self.q_len
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[B, Q, ...] -> [N, ...]"""
@@ -554,20 +565,21 @@ class Attention(nn.Module):
         in the padded layout, the padding rows zero). `view` (the cache bound to this forward:
         DenseView or a paged pool's view) writes the block's keys and values into its cache and
         attends over what each query may see."""
+        rows = x.shape[:-1]  # (B, Q), or (N,) packed; cos, sin: [*rows, 1, D]
         q, k, v = self.qkv(x)
-        if packing is not None:
-            q, k, v = packing.unpack(q), packing.unpack(k), packing.unpack(v)
-        b, q_len = q.shape[:2]
-        q = q.view(b, q_len, self.heads, self.head_dim)
-        k = k.view(b, q_len, self.kv_heads, self.head_dim)
-        v = v.view(b, q_len, self.kv_heads, self.head_dim)
+        q = q.view(*rows, self.heads, self.head_dim)
+        k = k.view(*rows, self.kv_heads, self.head_dim)
+        v = v.view(*rows, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         # queries and keys rotate together: one set of ops for both
-        qk = apply_rope(torch.cat([q, k], dim=2).transpose(1, 2), cos, sin)
-        q, k = qk.split([self.heads, self.kv_heads], dim=1)
-        out = view.attend(layer, q, k, v.transpose(1, 2)).transpose(1, 2).reshape(b, q_len, -1)
-        return self.o_proj(out if packing is None else packing.pack(out))
+        q, k = apply_rope(torch.cat([q, k], dim=-2), cos, sin).split([self.heads, self.kv_heads], dim=-2)
+        if packing is not None:  # attention runs per sequence, in the padded layout
+            q, k, v = packing.unpack(q), packing.unpack(k), packing.unpack(v)
+        out = view.attend(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+        if packing is not None:
+            return self.o_proj(out[packing.sequences, packing.positions].flatten(1))
+        return self.o_proj(out.reshape(*rows, -1))
 
 
 class DecoderLayer(nn.Module):
@@ -641,7 +653,7 @@ class SingleProcess:
     def _choose_packed(self, logits, sampling, seeds, draw_positions, packing: Packing) -> torch.Tensor:
         """choose_rows over packed logits [N, V] (every row kept): [B, Q], padding rows 0."""
         flat = torch.zeros(packing.batch * packing.q_len, dtype=torch.int64, device=logits.device)
-        owner = packing.index // packing.q_len  # [N] each real row's sequence
+        owner = packing.sequences
         greedy = torch.tensor([is_greedy(p) for p in sampling], device=logits.device)
         chosen = greedy[owner].nonzero().view(-1)
         if len(chosen):
@@ -721,7 +733,9 @@ class TargetModel(nn.Module):
                 raise ValueError("a packed forward keeps every real row's logits (logits_to_keep 0)")
             packing = Packing.of(rows.to(tokens.device), q_len)
         view = cache.bind(block_mask, q_len, None if packing is None else packing.rows)
-        cos, sin = rope_cos_sin(positions, self.rope, self.dtype)
+        # [B, Q, 1, D] (packed: [N, 1, D]): broadcast over the heads
+        cos, sin = (t[0].transpose(0, 1) if packing is not None else t.transpose(1, 2) for t in rope_cos_sin(
+            positions if packing is None else packing.pack(positions)[None], self.rope, self.dtype))
         x = self.parallel.embed(self.model.embed_tokens, tokens if packing is None else packing.pack(tokens))
         captured = []
         for i, layer in enumerate(self.model.layers):

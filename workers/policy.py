@@ -67,6 +67,8 @@ FIRST_PROBE = 8  # a sequence that does not draft drafts anyway after this many 
 LAST_PROBE = 64  # ... doubling each time up to this: acceptance that collapsed is re-probed cheaply
 CALIBRATION_CONTEXT = 64  # committed tokens before the rows `measure_step_cost` times
 STALE = 24  # packed rows: nodes granted past the best rate seen before the policy stops looking
+ROW_DECAY = 0.95  # packed rows: per step with trees, the sums behind a node's cost fade by this
+PLAIN_SEEN = 3  # ... which learn only from batches whose plain step was seen this many times
 
 
 class CostCurve:
@@ -212,6 +214,12 @@ class BudgetPolicy:
         # whether a step's target cost follows its real rows (B + the nodes: padding rows are
         # not computed, workers.model.Packing) or B x Q; the scheduler sets it from its target
         self.packed = packed
+        # packed: `verify` learns plain steps (B rows), and a node's row costs what the steps
+        # with trees took beyond a plain step of their batch: faded sums of those extra seconds
+        # and of their nodes (the calibrated curve's slope until then), from batches whose
+        # plain step was seen PLAIN_SEEN times (others' T(B) is still the one-sequence guess)
+        self._extra_s, self._extra_nodes = 0.0, 0.0
+        self._plain_seen: dict[int, int] = {}
         self.verify = step_cost or CostCurve()
         self.draft = CostCurve()
         self.other = CostCurve()  # the rest of a plain step (Q = 1) ...
@@ -233,15 +241,25 @@ class BudgetPolicy:
     def _other(self, q: int) -> CostCurve:
         return self.other_trees if q > 1 and self.other_trees else self.other
 
-    def rows(self, batch: int, q: int, nodes: int) -> int:
-        """Target rows of a step of `batch` sequences padded to Q, `nodes` drafted in all."""
-        return batch + nodes if self.packed else batch * q
+    def verify_s(self, batch: int, q: int, nodes: int) -> float:
+        """The target's forward over a step of `batch` sequences padded to Q rows, `nodes`
+        drafted in all: T(B x Q), or packed T(B) + nodes x row_cost."""
+        if not self.packed:
+            return self.verify.predict(batch * q)
+        return self.verify.predict(batch) + nodes * self.node_cost()
+
+    def node_cost(self) -> float:
+        """Packed: what one node's row adds to a step, as learned; at first the calibrated
+        curve's mean slope over 1 ... 17 rows (one sequence's: optimistic for a batch, whose
+        extra rows cross the GEMM's register tiles sooner, so steps with trees correct it)."""
+        if self._extra_nodes < 1.0:
+            return max(self.verify.predict(17) - self.verify.predict(1), 0.0) / 16
+        return max(self._extra_s / self._extra_nodes, 0.0)
 
     def _time(self, batch: int, q: int, drafting: int, fixed_nodes: int = 0) -> float:
         """A step in which `drafting` auto sequences fill Q - 1 nodes each."""
-        rows = self.rows(batch, q, fixed_nodes + drafting * (q - 1))
-        return self.verify.predict(rows) + (self.draft.predict(drafting) if drafting else 0.0) + \
-            self._other(q).predict(batch)
+        return self.verify_s(batch, q, fixed_nodes + drafting * (q - 1)) + \
+            (self.draft.predict(drafting) if drafting else 0.0) + self._other(q).predict(batch)
 
     def plan(self, batch: int, fixed_drafting: int, buckets: list[int], estimates: list[SequenceEstimate],
              fixed_nodes: int = 0) -> list[bool]:
@@ -338,12 +356,11 @@ class BudgetPolicy:
         marginal gains fall, mostly), keeping the count of the best rate seen; it stops once
         STALE more nodes have not beaten it."""
         most = buckets[-1] - 1
-        base = batch + fixed_nodes
         other_trees = self._other(2)
 
         def seconds(nodes: int) -> float:
             other = other_trees if nodes + fixed_nodes else self.other
-            return self.verify.predict(base + nodes) + draft_s + other.predict(batch)
+            return self.verify_s(batch, 2, fixed_nodes + nodes) + draft_s + other.predict(batch)
 
         nodes = [0] * len(curves)
         queue = [(-(c[1] - c[0]), i) for i, c in enumerate(curves) if len(c) > 1 and most > 0]
@@ -398,13 +415,19 @@ class BudgetPolicy:
 
     def observe_step(self, batch: int, q: int, verify_s: float, drafting: int, draft_s: float, other_s: float,
                      nodes: int = 0) -> None:
-        """The step's measured times: the target's forward over its rows (`rows`: batch x q, or
-        batch + the `nodes` of its trees when packed), the drafter's pass over `drafting`
-        sequences, the rest."""
+        """The step's measured times: the target's forward over its rows (batch x q; packed:
+        batch + the `nodes` of its trees), the drafter's pass over `drafting` sequences, the rest."""
         if not drafting and self.hope is not None:
             self.hope = {q: h + HOPE_RISE * (self.best_seen.get(q, h) - h) for q, h in self.hope.items()}
         if math.isfinite(verify_s) and verify_s > 0:
-            self.verify.observe(self.rows(batch, q, nodes), verify_s)
+            if not self.packed:
+                self.verify.observe(batch * q, verify_s)
+            elif not nodes:
+                self.verify.observe(batch, verify_s)
+                self._plain_seen[batch] = self._plain_seen.get(batch, 0) + 1
+            elif self._plain_seen.get(batch, 0) >= PLAIN_SEEN:  # what the nodes' rows added to a plain step
+                self._extra_s = ROW_DECAY * self._extra_s + verify_s - self.verify.predict(batch)
+                self._extra_nodes = ROW_DECAY * self._extra_nodes + nodes
         if drafting and draft_s > 0:
             self.draft.observe(drafting, draft_s)
         if other_s > 0:
