@@ -141,7 +141,7 @@ class Engine:
             # the SchedulerActor measures it)
             from .calibrate import step_costs
 
-            engine.scheduler.policy.verify = step_costs(engine)
+            engine.scheduler.policy.calibrate(step_costs(engine))
         return engine
 
     @property

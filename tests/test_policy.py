@@ -161,25 +161,30 @@ def test_packed_rows_grant_each_tree_its_own_nodes():
 
 
 def test_packed_rows_learn_what_a_node_costs_in_the_batch():
-    """Bug: the step cost was one curve over total rows, calibrated on one sequence, where the
-    first extra rows are nearly free (they share the GEMM's register tile); in a batch of 4 the
-    5th row crossed a tile and cost 8 ms, so auto granted trees that did not pay (0.97x plain
-    at 4 streams). Packed, plain steps teach T(B) and steps with trees the cost of a node --
-    but only at batch sizes whose plain step was seen: a tail batch of 3 whose T(3) is still the
-    one-sequence guess (32 ms, where 3 sequences take 45) once taught a node cost of 8.5 ms
+    """Bug: the step cost was one curve over total rows, calibrated on one sequence, and in a
+    batch the extra rows cost more than there (every row attends over its own, longer context),
+    so auto granted trees that did not pay (0.90-0.97x plain at 4 streams). Packed, plain steps
+    teach T(B), and steps with trees a factor on what the calibrated curve adds from B to
+    B + nodes rows (its shape: the first extra rows of one sequence share the GEMM's register
+    tile). Only at batch sizes whose plain step was seen: a tail batch of 3 whose T(3) was still
+    the one-sequence guess (32 ms, where 3 sequences take 45) once taught a node cost of 8.5 ms
     where 1.5 was measured, and auto stopped granting trees that paid (1.09x plain)."""
-    policy = BudgetPolicy(CostCurve({1: 0.034, 3: 0.032, 5: 0.036, 9: 0.050, 17: 0.080}), packed=True)
-    assert policy.node_cost() == pytest.approx((0.080 - 0.034) / 16)
+    calibrated = {1: 0.034, 3: 0.032, 5: 0.036, 9: 0.050, 17: 0.080}
+    policy = BudgetPolicy(packed=True)
+    policy.calibrate(CostCurve(calibrated))
+    assert policy.row_factor() == 1.0
+    assert policy.verify_s(1, 5, 4) == pytest.approx(0.036)  # 4 nodes on one sequence: T(5)
     policy.observe_step(3, 2, 0.046, 0, 0.0, 0.0, nodes=1)  # T(3) unseen: teaches nothing
-    assert policy.node_cost() == pytest.approx((0.080 - 0.034) / 16)
+    assert policy.row_factor() == 1.0
     for _ in range(60):
-        policy.observe_step(4, 1, 0.040, 0, 0.0, 0.0)  # plain steps of 4 sequences: 40 ms
-        policy.observe_step(4, 5, 0.060, 1, 0.0, 0.0, nodes=4)  # 4 nodes more: 20 ms more
-    assert policy.verify.predict(4) == pytest.approx(0.040, rel=0.01)
-    assert policy.node_cost() == pytest.approx(0.005, rel=0.01)
-    # a node whose expected gain is below what its 5 ms buy at 4 tokens / 40 ms is not granted
-    assert policy.choose(4, [1, 2], [[0.0, 0.45]], draft_s=0.0).nodes == [0]
-    assert policy.choose(4, [1, 2], [[0.0, 0.55]], draft_s=0.0).nodes == [1]
+        policy.observe_step(5, 1, 0.040, 0, 0.0, 0.0)  # plain steps of 5 sequences: 40 ms
+        policy.observe_step(5, 5, 0.0610, 1, 0.0, 0.0, nodes=4)  # 4 nodes more: 21 ms, 1.5x the curve's 14
+    assert policy.verify.predict(5) == pytest.approx(0.040, rel=0.01)
+    assert 1.35 < policy.row_factor() < 1.5  # towards 1.5; the prior (0.05 s at 1) still weighs in
+    assert policy.shape.points == calibrated  # the live steps leave the calibrated shape alone
+    # one node adds ~1.45 x 3.5 ms: granted where its expected gain beats 5 tokens / 40 ms of it
+    assert policy.choose(5, [1, 2], [[0.0, 0.6]], draft_s=0.0).nodes == [0]
+    assert policy.choose(5, [1, 2], [[0.0, 0.7]], draft_s=0.0).nodes == [1]
 
 
 def test_the_rest_of_a_step_is_learnt_apart_for_steps_with_trees():

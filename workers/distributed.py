@@ -299,7 +299,7 @@ class SchedulerActor:
         )
         if self.scheduler.drafter is not None:  # the budget policy's step cost over these shards (not cached)
             counts = row_counts(self.limits.max_step_tokens)
-            self.scheduler.policy.verify = CostCurve(measure_step_cost(self.scheduler, counts))
+            self.scheduler.policy.calibrate(CostCurve(measure_step_cost(self.scheduler, counts)))
 
     def _stop_workers(self) -> None:
         for w in self.workers:

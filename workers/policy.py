@@ -9,6 +9,12 @@ The model (README, "How budget: auto chooses"):
 - B sequences decode this step; every one verifies a block of Q rows (a bucket: the step pads
   every tree to the same Q, so within one step a sequence's nodes up to Q - 1 cost no more rows);
   S are the sequences that draft, the others verify their root alone.
+- Packed (`packed`: on the CPU the padding rows are not computed, workers.model.Packing), each
+  tree s gets its own nodes n_s and the step costs its real rows:
+      rate(n) = (B + sum_s E_s(n_s)) / (T(B) + k (T1(B + N) - T1(B)) + D(|S|) + O(B)),
+  N = sum_s n_s, T1 the start-up curve as measured (`shape`: the GEMMs' register tiles make the
+  first rows past a multiple of 4 nearly free), k = measured / T1's extra seconds of the recent
+  steps with trees (`row_factor`); nodes are granted highest marginal gain first.
 - T(r): seconds of one target forward over r rows in all (`CostCurve`), calibrated over row
   counts at start-up (ddtree.calibrate) and refreshed from every step's own timing.
 - D(n): the drafter's pass over n sequences; O(B): the rest of a step (trees, walk, commit),
@@ -67,8 +73,9 @@ FIRST_PROBE = 8  # a sequence that does not draft drafts anyway after this many 
 LAST_PROBE = 64  # ... doubling each time up to this: acceptance that collapsed is re-probed cheaply
 CALIBRATION_CONTEXT = 64  # committed tokens before the rows `measure_step_cost` times
 STALE = 24  # packed rows: nodes granted past the best rate seen before the policy stops looking
-ROW_DECAY = 0.95  # packed rows: per step with trees, the sums behind a node's cost fade by this
-PLAIN_SEEN = 3  # ... which learn only from batches whose plain step was seen this many times
+ROW_DECAY = 0.95  # packed rows: per step with trees, the sums behind the row factor fade by this
+ROW_PRIOR_S = 0.05  # ... which starts at 1 as if this many seconds had been measured as calibrated
+PLAIN_SEEN = 3  # ... and learns only from batches whose plain step was seen this many times
 
 
 class CostCurve:
@@ -214,11 +221,13 @@ class BudgetPolicy:
         # whether a step's target cost follows its real rows (B + the nodes: padding rows are
         # not computed, workers.model.Packing) or B x Q; the scheduler sets it from its target
         self.packed = packed
-        # packed: `verify` learns plain steps (B rows), and a node's row costs what the steps
-        # with trees took beyond a plain step of their batch: faded sums of those extra seconds
-        # and of their nodes (the calibrated curve's slope until then), from batches whose
-        # plain step was seen PLAIN_SEEN times (others' T(B) is still the one-sequence guess)
-        self._extra_s, self._extra_nodes = 0.0, 0.0
+        # packed: `verify` learns plain steps (B rows); the rows of a step's nodes add what the
+        # calibrated curve adds from B to B + nodes rows (`shape`: the GEMMs' register tiles make
+        # the first extra rows of a small batch nearly free), times a factor learned from the
+        # steps with trees: faded sums of their measured and their shape's extra seconds, from
+        # batches whose plain step was seen PLAIN_SEEN times (others' T(B) is still the guess)
+        self.shape = CostCurve(dict(step_cost.points) if step_cost else None)
+        self._extra_s, self._extra_shape = 0.0, 0.0
         self._plain_seen: dict[int, int] = {}
         self.verify = step_cost or CostCurve()
         self.draft = CostCurve()
@@ -235,6 +244,12 @@ class BudgetPolicy:
         # optimism shows here, and every gain is scaled by it
         self._bias_hits, self._bias_mass = 0.0, 0.0
 
+    def calibrate(self, step_cost: CostCurve) -> None:
+        """T(r) as measured at start-up: the live curve starts from it, and the packed rows'
+        `shape` keeps it."""
+        self.verify = step_cost
+        self.shape = CostCurve(dict(step_cost.points))
+
     def sequence(self) -> SequenceEstimate:
         return SequenceEstimate(Acceptance(SEQ_DECAY, prior=self.batch))
 
@@ -243,18 +258,22 @@ class BudgetPolicy:
 
     def verify_s(self, batch: int, q: int, nodes: int) -> float:
         """The target's forward over a step of `batch` sequences padded to Q rows, `nodes`
-        drafted in all: T(B x Q), or packed T(B) + nodes x row_cost."""
+        drafted in all: T(B x Q), or packed T(B) + what the nodes' rows add (`node_rows_s`)."""
         if not self.packed:
             return self.verify.predict(batch * q)
-        return self.verify.predict(batch) + nodes * self.node_cost()
+        return self.verify.predict(batch) + self.node_rows_s(batch, nodes)
 
-    def node_cost(self) -> float:
-        """Packed: what one node's row adds to a step, as learned; at first the calibrated
-        curve's mean slope over 1 ... 17 rows (one sequence's: optimistic for a batch, whose
-        extra rows cross the GEMM's register tiles sooner, so steps with trees correct it)."""
-        if self._extra_nodes < 1.0:
-            return max(self.verify.predict(17) - self.verify.predict(1), 0.0) / 16
-        return max(self._extra_s / self._extra_nodes, 0.0)
+    def node_rows_s(self, batch: int, nodes: int) -> float:
+        """Packed: what `nodes` rows add to a plain step of `batch` sequences: the calibrated
+        curve's T(B + nodes) - T(B), times the learned `row_factor`."""
+        if not nodes:
+            return 0.0
+        return self.row_factor() * max(self.shape.predict(batch + nodes) - self.shape.predict(batch), 0.0)
+
+    def row_factor(self) -> float:
+        """Measured over calibrated extra seconds of the steps with trees (1 at first: a batch's
+        rows attend over longer contexts than the calibration's one sequence, so it grows)."""
+        return (self._extra_s + ROW_PRIOR_S) / (self._extra_shape + ROW_PRIOR_S)
 
     def _time(self, batch: int, q: int, drafting: int, fixed_nodes: int = 0) -> float:
         """A step in which `drafting` auto sequences fill Q - 1 nodes each."""
@@ -427,7 +446,8 @@ class BudgetPolicy:
                 self._plain_seen[batch] = self._plain_seen.get(batch, 0) + 1
             elif self._plain_seen.get(batch, 0) >= PLAIN_SEEN:  # what the nodes' rows added to a plain step
                 self._extra_s = ROW_DECAY * self._extra_s + verify_s - self.verify.predict(batch)
-                self._extra_nodes = ROW_DECAY * self._extra_nodes + nodes
+                self._extra_shape = ROW_DECAY * self._extra_shape + max(
+                    self.shape.predict(batch + nodes) - self.shape.predict(batch), 0.0)
         if drafting and draft_s > 0:
             self.draft.observe(drafting, draft_s)
         if other_s > 0:
