@@ -13,7 +13,8 @@ Each `step()`:
      costs no drafter work -- an auto sequence that does not draft this step may verify it alone;
   5. verifies: ONE target forward over every decoding sequence's tree, each padded to the step's
      common row count Q (a bucket, so shapes repeat); padding rows sit at their row's start
-     position, see only themselves and are never read;
+     position, see only themselves and are never read -- on the CPU they are not computed
+     (workers.model.Packing), and the policy grants each auto tree its own nodes;
   6. walks and commits: each row's choice by its own rule (greedy, or the seeded draw), the
      walks of all rows, the moves of every accepted path's KV rows in the pool at once;
   7. emits each sequence's new tokens; finished sequences give back their pages.
