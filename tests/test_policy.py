@@ -12,7 +12,7 @@ import torch
 from ddtree.config import SamplingParams
 from ddtree.kernels.tree import Candidates, Lookup, build_tree, grow_tree
 from ddtree.workers.drafter import DFlashDrafter
-from ddtree.workers.policy import (FIRST_PROBE, Acceptance, BudgetPolicy, CostCurve, depth_mass,
+from ddtree.workers.policy import (FIRST_PROBE, Acceptance, BudgetPolicy, CostCurve, by_bucket, depth_mass,
                                    expected_accepted, source_masses)
 from ddtree.workers.requests import Request
 from ddtree.workers.scheduler import BatchLimits, Scheduler
@@ -99,11 +99,13 @@ def test_a_lookup_chain_is_counted_apart_from_the_drafters_nodes():
     assert estimate.acceptance.hits == [0.0, 1.0] and estimate.acceptance.mass == pytest.approx([0.6, 0.72])
     assert policy.batch.hits == [0.0, 1.0]
     # the gains of a chain alone, read off the chain without growing its tree, are the grown
-    # tree's: .9 at one node, .9 + .45 at two or more
+    # tree's: .9 at one node, .9 + .45 at two (all it has)
     chain_only = Lookup([5, 6], [math.log(.9), math.log(.5)], ngram=2)
-    grown = policy.gains(grow_tree(7, None, 16, chain_only), estimate, [1, 2, 3, 5, 17])
-    assert policy.chain_gains(chain_only, [1, 2, 3, 5, 17]) == pytest.approx(grown)
-    assert grown == pytest.approx({q: g * policy.bias for q, g in {1: 0, 2: .9, 3: 1.35, 5: 1.35, 17: 1.35}.items()})
+    grown = policy.curve(grow_tree(7, None, 16, chain_only), estimate, 16)
+    assert policy.chain_curve(chain_only, 16) == pytest.approx(grown)
+    assert grown == pytest.approx([g * policy.bias for g in (0, .9, 1.35)])
+    assert by_bucket(grown, [1, 2, 3, 5, 17]) == pytest.approx(
+        {q: g * policy.bias for q, g in {1: 0, 2: .9, 3: 1.35, 5: 1.35, 17: 1.35}.items()})
     # a tree of the chain alone teaches the factors nothing of the drafter
     alone = grow_tree(7, None, 2, chain_only)
     before = list(estimate.acceptance.hits)

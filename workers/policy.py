@@ -226,10 +226,9 @@ class BudgetPolicy:
         # the first extra rows of a small batch nearly free), times a factor learned from the
         # steps with trees: faded sums of their measured and their shape's extra seconds, from
         # batches whose plain step was seen PLAIN_SEEN times (others' T(B) is still the guess)
-        self.shape = CostCurve(dict(step_cost.points) if step_cost else None)
+        self.calibrate(step_cost or CostCurve())  # verify, shape
         self._extra_s, self._extra_shape = 0.0, 0.0
         self._plain_seen: dict[int, int] = {}
-        self.verify = step_cost or CostCurve()
         self.draft = CostCurve()
         self.other = CostCurve()  # the rest of a plain step (Q = 1) ...
         self.other_trees = CostCurve()  # ... and of a step with trees: building, walking and committing them
@@ -266,9 +265,10 @@ class BudgetPolicy:
     def node_rows_s(self, batch: int, nodes: int) -> float:
         """Packed: what `nodes` rows add to a plain step of `batch` sequences: the calibrated
         curve's T(B + nodes) - T(B), times the learned `row_factor`."""
-        if not nodes:
-            return 0.0
-        return self.row_factor() * max(self.shape.predict(batch + nodes) - self.shape.predict(batch), 0.0)
+        return self.row_factor() * self._shape_extra(batch, nodes) if nodes else 0.0
+
+    def _shape_extra(self, batch: int, nodes: int) -> float:
+        return max(self.shape.predict(batch + nodes) - self.shape.predict(batch), 0.0)
 
     def row_factor(self) -> float:
         """Measured over calibrated extra seconds of the steps with trees (1 at first: a batch's
@@ -327,10 +327,6 @@ class BudgetPolicy:
         drafted, chain = source_masses(tree, list(range(min(tree.size - 1, most) + 1)), tree.on_chain())
         return (expected_accepted(drafted, estimate.acceptance.factors(drafted.shape[-1]), chain) * self.bias).tolist()
 
-    def gains(self, tree: Tree, estimate: SequenceEstimate, buckets: list[int]) -> dict[int, float]:
-        """`curve` per bucket Q: the expected accepted tokens of `tree`'s first Q - 1 nodes."""
-        return by_bucket(self.curve(tree, estimate, max(buckets) - 1), buckets)
-
     def chain_curve(self, branch: Lookup, most: int) -> list[float]:
         """`curve` of the tree that is `branch`'s lookup chain alone, without growing it: the
         node at depth d reached with the product of the chain's first d probabilities
@@ -341,9 +337,6 @@ class BudgetPolicy:
             expected += min(1.0, math.exp(reach))
             upto.append(expected * self.bias)
         return upto
-
-    def chain_gains(self, branch: Lookup, buckets: list[int]) -> dict[int, float]:
-        return by_bucket(self.chain_curve(branch, max(buckets) - 1), buckets)
 
     @property
     def bias(self) -> float:
@@ -375,11 +368,15 @@ class BudgetPolicy:
         marginal gains fall, mostly), keeping the count of the best rate seen; it stops once
         STALE more nodes have not beaten it."""
         most = buckets[-1] - 1
-        other_trees = self._other(2)
+        # what does not change with the nodes, once per step: T(B), the shape's T1(B), the factor
+        plain = self.verify.predict(batch) + draft_s
+        others = self.other.predict(batch), self._other(2).predict(batch)
+        base, factor = self.shape.predict(batch), self.row_factor()
 
         def seconds(nodes: int) -> float:
-            other = other_trees if nodes + fixed_nodes else self.other
-            return self.verify_s(batch, 2, fixed_nodes + nodes) + draft_s + other.predict(batch)
+            total = fixed_nodes + nodes
+            rows = factor * max(self.shape.predict(batch + total) - base, 0.0) if total else 0.0
+            return plain + rows + others[1 if total else 0]
 
         nodes = [0] * len(curves)
         queue = [(-(c[1] - c[0]), i) for i, c in enumerate(curves) if len(c) > 1 and most > 0]
@@ -446,8 +443,7 @@ class BudgetPolicy:
                 self._plain_seen[batch] = self._plain_seen.get(batch, 0) + 1
             elif self._plain_seen.get(batch, 0) >= PLAIN_SEEN:  # what the nodes' rows added to a plain step
                 self._extra_s = ROW_DECAY * self._extra_s + verify_s - self.verify.predict(batch)
-                self._extra_shape = ROW_DECAY * self._extra_shape + max(
-                    self.shape.predict(batch + nodes) - self.shape.predict(batch), 0.0)
+                self._extra_shape = ROW_DECAY * self._extra_shape + self._shape_extra(batch, nodes)
         if drafting and draft_s > 0:
             self.draft.observe(drafting, draft_s)
         if other_s > 0:
