@@ -275,15 +275,18 @@ def _train_drafter(args: argparse.Namespace) -> int:
     layers = tuple(args.target_layers) if args.target_layers else default_target_layer_ids(target.model.config.num_hidden_layers)
     cfg = TrainConfig(block_size=args.block_size, num_layers=args.layers,
                       mask_token_id=args.mask_token_id, steps=args.steps, seed=args.seed,
-                      vocab_floor=None if args.vocab_floor < 0 else args.vocab_floor)
+                      vocab_floor=None if args.vocab_floor < 0 else args.vocab_floor,
+                      **({"lr": args.lr} if args.lr else {}))
     stages = ["data", "train", "export"] if args.stage == "all" else [args.stage]
     if "data" in stages:
         stage_data(target, workdir, args.prompts or [], args.limit_per_file, args.self_prompts, layers,
                    args.max_tokens, args.batch, args.seed, mix=args.mix,
-                   held_out=args.held_out if args.held_out is not None else DEFAULT_HELD_OUT)
+                   held_out=args.held_out if args.held_out is not None else DEFAULT_HELD_OUT,
+                   skip_per_file=args.skip_per_file)
     if "train" in stages:
         deadline = time.time() + 60 * args.minutes if args.minutes else None
-        state = stage_train(target, workdir, cfg, layers, deadline)
+        state = stage_train(target, workdir, cfg, layers, deadline,
+                            init_from=Path(args.init_from) if args.init_from else None)
         if state.step < cfg.steps:
             print(f"stopped at step {state.step} of {cfg.steps} (time limit); run the train stage again to go on")
             return 0
@@ -448,6 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
     train.add_argument("--prompts", action="append", help="training prompts JSONL (repeatable; never evaluation files)")
     train.add_argument("--limit-per-file", type=int, default=400)
+    train.add_argument("--skip-per-file", type=int, default=0,
+                       help="start each prompts file after this many prompts (those an earlier sitting used)")
     train.add_argument("--self-prompts", type=int, default=300, help="prompts the target writes itself")
     train.add_argument("--mix", type=parse_mix, help="shares of the self-written prompts by domain, e.g. "
                        "code=0.4,chat=0.4,math=0.2 (the default; domains: code, chat, math)")
@@ -460,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--target-layers", type=int, nargs="+", help="default: 1, middle, last-but-three")
     train.add_argument("--mask-token-id", type=int, help="default: the last vocabulary id")
     train.add_argument("--steps", type=int, default=3000)
+    train.add_argument("--lr", type=float, help="peak learning rate (default 6e-4)")
+    train.add_argument("--init-from", metavar="DRAFTER_DIR",
+                       help="continue training this saved drafter (e.g. the shipped one) on this run's data")
     train.add_argument("--vocab-floor", type=int, default=8192,
                        help="the draft vocabulary: tokens in the data + ids below this (-1: the whole vocabulary)")
     train.add_argument("--minutes", type=float, help="stop training after this long (checkpointed; rerun to resume)")

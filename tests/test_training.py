@@ -109,6 +109,35 @@ def test_export_loads_drafts_and_evaluates(trained, tmp_path):
     assert len(report["accuracy"]) == 3
 
 
+def test_a_later_sitting_continues_a_saved_drafter(trained, tmp_path):
+    """The machine that trained a drafter may not keep its data: a later sitting generates new
+    data and continues the saved drafter (--init-from) instead of starting again from the
+    target's last layers. Step 0 of that run is the saved drafter itself (its bf16 weights),
+    its draft vocabulary is widened by the new run's tokens and floor, never narrowed, and the
+    model card says what it continued. A drafter of another shape is refused."""
+    import shutil
+
+    target, work, cfg, *_ = trained
+    saved_dir = stage_export(target, work, cfg, LAYERS, tmp_path / "saved")
+    saved = DFlashDrafter.load(saved_dir, target.model)
+    later = tmp_path / "later"
+    shutil.copytree(work / "data", later / "data")
+    wider = TrainConfig(**{**cfg.__dict__, "steps": 0, "vocab_floor": 300})
+    state = stage_train(target, later, wider, LAYERS, init_from=saved_dir)
+    assert state.init_from == str(saved_dir)
+    start = init_drafter(target, wider, LAYERS, torch.load(later / "train" / "checkpoint.pt", weights_only=False)["drafter"])
+    for name, tensor in saved.state_dict().items():
+        if name != "draft_vocab":
+            assert torch.equal(start.state_dict()[name], tensor.float()), name
+    assert set(start.draft_vocab.tolist()) == set(saved.draft_vocab.tolist()) | set(range(300))
+    card = (stage_export(target, later, wider, LAYERS, tmp_path / "next") / "README.md").read_text()
+    assert f"continued from the drafter saved at {saved_dir}" in card
+    other = TrainConfig(**{**cfg.__dict__, "block_size": 5})
+    shutil.copytree(work / "data", tmp_path / "other" / "data")
+    with pytest.raises(ValueError, match="differ"):
+        stage_train(target, tmp_path / "other", other, LAYERS, init_from=saved_dir)
+
+
 def test_offline_tau_equals_the_engines(trained, tiny_chat_model, tmp_path):
     """eval-drafter computes tau from the target's greedy continuation and the drafts along it,
     without verifying trees; running every budget through the engine must count the same
@@ -166,6 +195,15 @@ def test_a_grown_data_plan_keeps_its_shards_and_appends_the_new_prompts(tmp_path
     assert plan_prompts(None, plan, [str(prompts)], 6, 0, batch=2, seed=0) == grown, "a rerun changes nothing"
     assert {e["domain"] for shard in grown for e in shard} == {"prompts"}  # a file's prompts: its name
     assert json.loads(plan.read_text())["mix"] == {"prompts": 6}
+
+
+def test_a_later_sitting_takes_the_prompts_an_earlier_one_did_not(tmp_path):
+    """--skip-per-file: a sitting whose machine lost the earlier data plans the file's next
+    prompts, not the ones already trained on."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question": f"q{i}"}) for i in range(7)))
+    plan = plan_prompts(None, tmp_path / "prompts.json", [str(prompts)], 3, 0, batch=2, seed=0, skip_per_file=3)
+    assert sorted(e["prompt"] for shard in plan for e in shard) == ["q3", "q4", "q5"]
 
 
 def test_no_prompt_of_the_judged_sets_is_ever_planned(tmp_path):

@@ -156,17 +156,20 @@ def _split(count: int, mix: dict[str, float]) -> dict[str, int]:
 
 def plan_prompts(target: LoadedTarget | None, plan: Path, prompt_files: list[str], limit_per_file: int,
                  self_prompt_count: int, batch: int, seed: int, mix: dict[str, float] | None = None,
-                 held_out=DEFAULT_HELD_OUT) -> list[list[dict]]:
+                 held_out=DEFAULT_HELD_OUT, skip_per_file: int = 0) -> list[list[dict]]:
     """The prompts of every data shard ({"prompt", "domain"} entries), kept in `plan` so a rerun
     makes the same shards. A rerun that asks for more (a larger --limit-per-file or
     --self-prompts) appends shards for the new prompts only; the finished shards and their
-    prompts stay as they are. A prompt of a `held_out` file is never planned."""
+    prompts stay as they are. Each file gives its prompts `skip_per_file` to `skip_per_file +
+    limit_per_file` (a later sitting takes prompts an earlier one did not). A prompt of a
+    `held_out` file is never planned."""
     mix = mix or DEFAULT_MIX
     saved = json.loads(plan.read_text()) if plan.is_file() else {}
     shards = saved.get("shards", [])
     planned = {e["prompt"] for shard in shards for e in shard}
     forbidden = held_out_texts(held_out)
-    from_files = [{"prompt": m, "domain": Path(f).stem} for f in prompt_files for m in read_prompts(f, limit_per_file)]
+    from_files = [{"prompt": m, "domain": Path(f).stem} for f in prompt_files
+                  for m in read_prompts(f, skip_per_file + limit_per_file)[skip_per_file:]]
     dropped = [e for e in from_files if _normal(e["prompt"]) in forbidden]
     if dropped:
         print(f"data plan: {len(dropped)} prompts of the training files are in the held-out files; left out")
@@ -177,7 +180,7 @@ def plan_prompts(target: LoadedTarget | None, plan: Path, prompt_files: list[str
             for d in mix}
     wanted = {d: n - have[d] for d, n in _split(self_prompt_count, mix).items() if n > have[d]}
     if wanted:
-        written = self_prompts(target, wanted, seed + len(planned))
+        written = self_prompts(target, wanted, seed + len(planned), batch)
         new += [e for e in written if e["prompt"] not in planned and _normal(e["prompt"]) not in forbidden]
     if new:
         random.Random(seed + len(planned)).shuffle(new)
@@ -193,7 +196,7 @@ def plan_prompts(target: LoadedTarget | None, plan: Path, prompt_files: list[str
 
 def stage_data(target: LoadedTarget, workdir: Path, prompt_files: list[str], limit_per_file: int,
                self_prompt_count: int, layer_ids, max_tokens: int, batch: int, seed: int,
-               mix: dict[str, float] | None = None, held_out=DEFAULT_HELD_OUT) -> None:
+               mix: dict[str, float] | None = None, held_out=DEFAULT_HELD_OUT, skip_per_file: int = 0) -> None:
     """Plans the prompts, then generates every shard not on disk yet through one recording
     scheduler: the next shards' prompts join as places free up, and a shard is written as soon
     as its last sequence ends (resumable: finished shards stay)."""
@@ -201,7 +204,7 @@ def stage_data(target: LoadedTarget, workdir: Path, prompt_files: list[str], lim
     data = workdir / "data"
     data.mkdir(parents=True, exist_ok=True)
     shards = plan_prompts(target, data / "prompts.json", prompt_files, limit_per_file, self_prompt_count, batch, seed,
-                          mix, held_out)
+                          mix, held_out, skip_per_file)
     tok = target.tokenizer
     chat = default_chat_template_kwargs(target.directory)
     todo = [i for i in range(len(shards)) if not (data / f"shard-{i:05d}.safetensors").is_file()]

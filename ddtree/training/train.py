@@ -91,6 +91,20 @@ def init_drafter(target: LoadedTarget, cfg: TrainConfig, layer_ids, saved: dict 
     return drafter
 
 
+def continued_state(target: LoadedTarget, cfg: TrainConfig, layer_ids, directory: Path) -> dict:
+    """The fp32 state dict of a saved drafter (DFlashDrafter.load) to continue training from, in
+    a later sitting on new data. Its shape must be the one `cfg` and `layer_ids` describe."""
+    drafter = DFlashDrafter.load(directory, target.model)
+    c = drafter.config
+    mask = cfg.mask_token_id if cfg.mask_token_id is not None else target.model.config.vocab_size - 1
+    mine = (cfg.num_layers, cfg.block_size, tuple(layer_ids), mask)
+    theirs = (c.num_hidden_layers, c.block_size, tuple(c.target_layer_ids), c.mask_token_id)
+    if mine != theirs:
+        raise ValueError(f"{directory}: (layers, block size, target layers, mask token) {theirs} differ from this "
+                         f"run's {mine}")
+    return {k: t.float() if t.is_floating_point() else t for k, t in drafter.state_dict().items()}
+
+
 def position_weights(block: int, gamma: float) -> torch.Tensor:
     return torch.exp(-(torch.arange(1, block) - 1) / gamma)
 
@@ -135,10 +149,17 @@ class TrainState:
     loss_ema: float | None = None
     history: list = field(default_factory=list)  # (step, loss_ema, acc@1)
     held_out: int = 0  # the first `held_out` sequences, fixed at the first step (data may grow)
+    init_from: str | None = None  # the saved drafter this run continued (None: the target's last layers)
 
 
-def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids, deadline: float | None = None) -> TrainState:
-    """Trains until cfg.steps or the wall-clock `deadline` (then checkpoints: run again to go on)."""
+def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids, deadline: float | None = None,
+                init_from: Path | None = None) -> TrainState:
+    """Trains until cfg.steps or the wall-clock `deadline` (then checkpoints: run again to go on).
+
+    A new run starts from the target's last layers, or, with `init_from`, from that saved drafter
+    (an earlier sitting's, trained on other data; the machine need not keep that data): its
+    weights, and a draft vocabulary that adds this data's tokens to its own. A run resumed from
+    its checkpoint ignores `init_from`."""
     sequences = load_sequences(workdir)
     if not sequences:
         raise ValueError(f"no data in {workdir / 'data'}: run the data stage first")
@@ -154,9 +175,13 @@ def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids
     if saved:
         drafter = init_drafter(target, cfg, layer_ids, saved["drafter"])
     else:
-        drafter = init_drafter(target, cfg, layer_ids)
+        start = continued_state(target, cfg, layer_ids, init_from) if init_from else None
+        drafter = init_drafter(target, cfg, layer_ids, start)
+        state.init_from = str(init_from) if init_from else None
         vocab = draft_vocabulary(train_set, cfg, drafter.config.vocab_size)
         if vocab is not None:
+            if drafter.draft_vocab is not None:  # the head is the target's, frozen: widening it trains nothing away
+                vocab = torch.cat([vocab, drafter.draft_vocab]).unique()
             drafter.set_draft_vocab(vocab)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
