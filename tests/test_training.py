@@ -118,8 +118,12 @@ def test_a_later_sitting_continues_a_saved_drafter(trained, tmp_path):
     import shutil
 
     target, work, cfg, *_ = trained
-    saved_dir = stage_export(target, work, cfg, LAYERS, tmp_path / "saved")
-    saved = DFlashDrafter.load(saved_dir, target.model)
+    saved_dir = tmp_path / "saved"
+    saved = DFlashDrafter.load(stage_export(target, work, cfg, LAYERS, tmp_path / "exported"), target.model)
+    # two ids the new data does not hold and the new floor does not reach: they must stay
+    kept = [target.model.config.vocab_size - 2, target.model.config.vocab_size - 1]
+    saved.set_draft_vocab(torch.cat([saved.draft_vocab, torch.tensor(kept)]))
+    saved.save(saved_dir)
     later = tmp_path / "later"
     shutil.copytree(work / "data", later / "data")
     wider = TrainConfig(**{**cfg.__dict__, "steps": 0, "vocab_floor": 300})
@@ -129,6 +133,7 @@ def test_a_later_sitting_continues_a_saved_drafter(trained, tmp_path):
     for name, tensor in saved.state_dict().items():
         if name != "draft_vocab":
             assert torch.equal(start.state_dict()[name], tensor.float()), name
+    assert set(kept) <= set(saved.draft_vocab.tolist())
     assert set(start.draft_vocab.tolist()) == set(saved.draft_vocab.tolist()) | set(range(300))
     card = (stage_export(target, later, wider, LAYERS, tmp_path / "next") / "README.md").read_text()
     assert f"continued from the drafter saved at {saved_dir}" in card

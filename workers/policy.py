@@ -267,8 +267,10 @@ class BudgetPolicy:
         curve's T(B + nodes) - T(B), times the learned `row_factor`."""
         return self.row_factor() * self._shape_extra(batch, nodes) if nodes else 0.0
 
-    def _shape_extra(self, batch: int, nodes: int) -> float:
-        return max(self.shape.predict(batch + nodes) - self.shape.predict(batch), 0.0)
+    def _shape_extra(self, batch: int, nodes: int, base: float | None = None) -> float:
+        """T1(B + nodes) - T1(B) of the calibrated shape; `base`: T1(B) when already known."""
+        base = self.shape.predict(batch) if base is None else base
+        return max(self.shape.predict(batch + nodes) - base, 0.0)
 
     def row_factor(self) -> float:
         """Measured over calibrated extra seconds of the steps with trees (1 at first: a batch's
@@ -375,7 +377,7 @@ class BudgetPolicy:
 
         def seconds(nodes: int) -> float:
             total = fixed_nodes + nodes
-            rows = factor * max(self.shape.predict(batch + total) - base, 0.0) if total else 0.0
+            rows = factor * self._shape_extra(batch, total, base) if total else 0.0
             return plain + rows + others[1 if total else 0]
 
         nodes = [0] * len(curves)

@@ -35,14 +35,14 @@ def stage_export(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_id
         f"- architecture: {cfg.num_layers} layers, block size {cfg.block_size}, target layers {list(layer_ids)}, "
         f"mask token {drafter.config.mask_token_id}; weights bf16; draft vocabulary "
         f"{drafter.config.draft_vocab_size or drafter.config.vocab_size} of {drafter.config.vocab_size} tokens",
+        *([f"- continued from the drafter saved at {state['init_from']} (trained before on its own data)"]
+          if state.get("init_from") else []),
         f"- data: {n_seq} sequences, {n_tokens} tokens ({data_note or 'see the training command'}); "
         f"held out: the first {len(held_out)} sequences",
         f"- steps: {state['step']} (batch {cfg.sequences_per_step} sequences x {cfg.anchors_per_sequence} anchors), "
         f"final loss (EMA) {'-' if state['loss_ema'] is None else format(state['loss_ema'], '.3f')}",
         f"- held-out top-1 accuracy per block position: {', '.join(f'{a:.2f}' for a in accuracy)}",
     ]
-    if state.get("init_from"):
-        card.insert(-3, f"- continued from the drafter saved at {state['init_from']} (trained before on its own data)")
     if eval_summary:
         card += ["", eval_summary]
     (out / "README.md").write_text("\n".join(card) + "\n")
