@@ -48,6 +48,11 @@ OPENERS = {
     "chat": (
         "Explain", "How do I", "Write a short story", "Give me tips", "Compare", "Why does", "Summarize",
         "Translate", "Describe", "Write an email", "What are the pros and cons of", "Write a poem",
+        # added for the third sitting: open chat is more than questions -- role play, what-ifs,
+        # estimates, advice, longer writing (the kinds of request a chat assistant gets)
+        "Imagine you are", "What would happen if", "How many", "Write a blog post about", "Help me plan",
+        "What is the difference between", "Pretend to be", "Write a persuasive", "Can you recommend",
+        "Write a speech", "What should I do if", "Tell me about",
     ),
     "math": ("Solve", "Calculate", "If a train", "What is"),
 }
