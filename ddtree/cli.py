@@ -294,7 +294,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
         files = ", ".join(Path(p).name for p in args.prompts or [])
         out = stage_export(target, workdir, cfg, layers, Path(args.out or workdir / "export"),
                            data_note=f"prompts from {files or 'no files'} and {args.self_prompts} target-written prompts",
-                           layout=args.export_layout)
+                           layout=args.export_layout, vocab_keep=args.vocab_keep)
         print(f"drafter written to {out}")
     return 0
 
@@ -472,6 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the draft vocabulary: tokens in the data + ids below this (-1: the whole vocabulary)")
     train.add_argument("--minutes", type=float, help="stop training after this long (checkpointed; rerun to resume)")
     train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--vocab-keep", type=int, metavar="N",
+                       help="export: cut the draft vocabulary to the N ids the data's responses use most "
+                       "(a cheaper head; default: keep the one it was trained with)")
     train.add_argument("--out", help="export directory (default: WORKDIR/export)")
     train.add_argument("--export-layout", default="ddtree", choices=["ddtree", "published"],
                        help="ddtree's layout (keeps a draft vocabulary), or exactly z-lab's published one "

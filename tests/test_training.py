@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ddtree.training.data import load_sequences, plan_prompts, stage_data
-from ddtree.training.evaluate import _rounds, eval_drafter
+from ddtree.training.evaluate import _rounds, eval_drafter, solo_engine
 from ddtree.training.export import stage_export
 from ddtree.training.train import (
     MIN_LR_RATE,
@@ -107,6 +107,32 @@ def test_export_loads_drafts_and_evaluates(trained, tmp_path):
     report = eval_drafter(target, drafter, ["What is 2 plus 5?", "Hello"], 12, ["chain", 4])
     assert set(report["tau"]) == {"chain", "4"}  # its values: test_offline_tau_equals_the_engines
     assert len(report["accuracy"]) == 3
+
+
+def test_export_can_cut_the_draft_vocabulary_to_the_most_used_ids(trained, tmp_path):
+    """`--vocab-keep N`: the head covers only the N draft-vocabulary ids the training responses
+    use most (counted here independently, held-out sequences excluded; ties at the cut go to
+    the lower id), so a draft costs less; the engine drafting with the cut head (its indices
+    mapped back to the kept ids) still equals plain decoding."""
+    from collections import Counter
+
+    target, work, cfg, *_ = trained
+    full = DFlashDrafter.load(stage_export(target, work, cfg, LAYERS, tmp_path / "full"), target.model)
+    sequences = load_sequences(work)
+    held = torch.load(work / "train" / "checkpoint.pt", weights_only=False)["state"]["held_out"]
+    counts = Counter(t for tokens, _, start in sequences[held:] for t in tokens[start:].tolist())
+    ranked = sorted(full.draft_vocab.tolist(), key=lambda t: (-counts[t], t))
+    keep = 12  # ties at the cut go to the lower id
+    out = stage_export(target, work, cfg, LAYERS, tmp_path / "cut", vocab_keep=keep)
+    cut = DFlashDrafter.load(out, target.model)
+    assert cut.draft_vocab.tolist() == sorted(ranked[:keep])
+    assert json.loads((out / "config.json").read_text())["dflash_config"]["draft_vocab_size"] == keep
+    assert f"draft vocabulary {keep} of" in (out / "README.md").read_text()
+    tok = target.tokenizer
+    requests = lambda: [Request(tok.encode(p), 16) for p in ("What is 2 plus 5?", "Hello there")]  # noqa: E731
+    plain = solo_engine(target.model, None, 0, 64).generate(requests())
+    drafted = solo_engine(target.model, cut, 4, 64).generate(requests())
+    assert [r.tokens for r in drafted] == [r.tokens for r in plain]
 
 
 def test_a_later_sitting_continues_a_saved_drafter(trained, tmp_path):

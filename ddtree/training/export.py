@@ -12,14 +12,32 @@ from .data import load_sequences
 from .train import TrainConfig, evaluate_accuracy, init_drafter
 
 
+def frequent_vocabulary(vocab: torch.Tensor, sequences, keep: int) -> torch.Tensor:
+    """The `keep` ids of `vocab` that the sequences' responses use most (ties: the lower id), sorted."""
+    counts = torch.zeros(int(vocab.max()) + 1, dtype=torch.long)
+    for tokens, _, start in sequences:
+        response = tokens[start:]
+        counts += torch.bincount(response[response < len(counts)], minlength=len(counts))
+    order = torch.sort(counts[vocab], descending=True, stable=True).indices  # vocab is sorted: ties keep id order
+    return vocab[order[:keep]].sort().values
+
+
 def stage_export(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids, out: Path,
-                 data_note: str = "", eval_summary: str = "", layout: str = "ddtree") -> Path:
+                 data_note: str = "", eval_summary: str = "", layout: str = "ddtree",
+                 vocab_keep: int | None = None) -> Path:
     """The trained drafter in `layout` (DFlashDrafter.save: "ddtree", or "published" for other
-    stacks, which refuses a drafter with a draft vocabulary) with a model card."""
+    stacks, which refuses a drafter with a draft vocabulary) with a model card. `vocab_keep`
+    cuts the draft vocabulary to the ids the data's responses use most: a cheaper head (the
+    larger part of a draft's work) for the few rare tokens it could still have proposed."""
     saved = torch.load(workdir / "train" / "checkpoint.pt", weights_only=False)
     drafter = init_drafter(target, cfg, layer_ids, saved["drafter"])
     sequences = load_sequences(workdir)
     held_out = sequences[: saved["state"].get("held_out") or max(1, int(len(sequences) * cfg.held_out))]
+    trained_vocab = drafter.config.draft_vocab_size or drafter.config.vocab_size
+    cut = vocab_keep is not None and vocab_keep < trained_vocab
+    if cut:  # counted over the training sequences only: the held-out accuracy below stays held out
+        whole = drafter.draft_vocab if drafter.draft_vocab is not None else torch.arange(drafter.config.vocab_size)
+        drafter.set_draft_vocab(frequent_vocabulary(whole, sequences[len(held_out):], vocab_keep))
     accuracy = evaluate_accuracy(drafter.eval(), held_out, cfg)
     out.mkdir(parents=True, exist_ok=True)
     tok = target.tokenizer
@@ -34,7 +52,8 @@ def stage_export(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_id
         "",
         f"- architecture: {cfg.num_layers} layers, block size {cfg.block_size}, target layers {list(layer_ids)}, "
         f"mask token {drafter.config.mask_token_id}; weights bf16; draft vocabulary "
-        f"{drafter.config.draft_vocab_size or drafter.config.vocab_size} of {drafter.config.vocab_size} tokens",
+        f"{drafter.config.draft_vocab_size or drafter.config.vocab_size} of {drafter.config.vocab_size} tokens"
+        + (f" (the ones this data's responses use most, of the {trained_vocab} it was trained with)" if cut else ""),
         *([f"- continued from the drafter saved at {state['init_from']} (trained before on its own data)"]
           if state.get("init_from") else []),
         f"- data: {n_seq} sequences, {n_tokens} tokens ({data_note or 'see the training command'}); "
