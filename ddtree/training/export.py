@@ -29,6 +29,8 @@ def stage_export(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_id
     stacks, which refuses a drafter with a draft vocabulary) with a model card. `vocab_keep`
     cuts the draft vocabulary to the ids the data's responses use most: a cheaper head (the
     larger part of a draft's work) for the few rare tokens it could still have proposed."""
+    if vocab_keep is not None and vocab_keep < 1:
+        raise ValueError(f"vocab_keep must be at least 1, got {vocab_keep}")
     saved = torch.load(workdir / "train" / "checkpoint.pt", weights_only=False)
     drafter = init_drafter(target, cfg, layer_ids, saved["drafter"])
     sequences = load_sequences(workdir)
