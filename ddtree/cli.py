@@ -461,7 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-tokens", type=int, default=160, help="response length")
     train.add_argument("--batch", type=int, default=32, help="sequences generated per forward (and per shard)")
     train.add_argument("--block-size", type=int, default=8)
-    train.add_argument("--layers", type=int, default=2)
+    train.add_argument("--layers", type=int, default=2,
+                       help="the drafter's layers; with --init-from, more than the saved drafter's adds layers on top")
     train.add_argument("--target-layers", type=int, nargs="+", help="default: 1, middle, last-but-three")
     train.add_argument("--mask-token-id", type=int, help="default: the last vocabulary id")
     train.add_argument("--steps", type=int, default=3000)

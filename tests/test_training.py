@@ -169,6 +169,37 @@ def test_a_later_sitting_continues_a_saved_drafter(trained, tmp_path):
         stage_train(target, tmp_path / "other", other, LAYERS, init_from=saved_dir)
 
 
+def test_a_later_sitting_may_add_layers_on_top(trained, tmp_path):
+    """A drafter may grow between sittings (`--layers 2 --init-from` a 1-layer drafter): the
+    added layer starts as an identity (its output projections zero), so step 0 drafts exactly
+    as the saved drafter; training then moves the new layer. A run may not drop layers."""
+    import shutil
+
+    target, work, cfg, *_ = trained
+    saved_dir = stage_export(target, work, cfg, LAYERS, tmp_path / "one")
+    saved = DFlashDrafter.load(saved_dir, target.model).float()
+    later = tmp_path / "later"
+    shutil.copytree(work / "data", later / "data")
+    two = TrainConfig(**{**cfg.__dict__, "steps": 0, "num_layers": 2})
+    stage_train(target, later, two, LAYERS, init_from=saved_dir)
+    start = init_drafter(target, two, LAYERS, torch.load(later / "train" / "checkpoint.pt", weights_only=False)["drafter"])
+    assert len(start.layers) == 2 and len(saved.layers) == 1
+    tokens, features, begin = load_sequences(later)[0]
+    anchors = torch.arange(begin, len(tokens) - cfg.block_size)
+    with torch.no_grad():
+        assert torch.equal(start.block_logits(features.float(), tokens, anchors),
+                           saved.block_logits(features.float(), tokens, anchors))
+    trained_on = TrainConfig(**{**two.__dict__, "steps": 5})
+    stage_train(target, later, trained_on, LAYERS)
+    grown = init_drafter(target, trained_on, LAYERS,
+                         torch.load(later / "train" / "checkpoint.pt", weights_only=False)["drafter"])
+    assert grown.layers[1].self_attn.o_proj.weight.abs().sum() > 0
+    two_dir = stage_export(target, later, trained_on, LAYERS, tmp_path / "two")
+    shutil.copytree(work / "data", tmp_path / "fewer" / "data")
+    with pytest.raises(ValueError, match="add layers to a saved drafter, not drop them"):
+        stage_train(target, tmp_path / "fewer", cfg, LAYERS, init_from=two_dir)
+
+
 def test_offline_tau_equals_the_engines(trained, tiny_chat_model, tmp_path):
     """eval-drafter computes tau from the target's greedy continuation and the drafts along it,
     without verifying trees; running every budget through the engine must count the same

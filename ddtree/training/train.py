@@ -64,7 +64,9 @@ def draft_vocabulary(sequences, cfg: TrainConfig, vocab_size: int) -> torch.Tens
 
 def init_drafter(target: LoadedTarget, cfg: TrainConfig, layer_ids, saved: dict | None = None) -> DFlashDrafter:
     """A drafter whose layers start as copies of the target's last layers (same shapes); with
-    `saved` (a state dict from a checkpoint), that drafter instead, draft vocabulary included."""
+    `saved` (a state dict from a checkpoint), that drafter instead, draft vocabulary included --
+    and if it has fewer layers, the missing ones on top start as identities (their output
+    projections zero), so the grown drafter begins exactly where the saved one was."""
     t = target.model.config
     config = DFlashConfig(
         hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_hidden_layers=cfg.num_layers,
@@ -87,21 +89,34 @@ def init_drafter(target: LoadedTarget, cfg: TrainConfig, layer_ids, saved: dict 
     if saved is not None:
         if "draft_vocab" in saved:
             drafter.set_draft_vocab(saved["draft_vocab"])
-        drafter.load_state_dict(saved)
+        grown = range(1 + max((int(k.split(".")[1]) for k in saved if k.startswith("layers.")), default=-1),
+                      len(drafter.layers))
+        with torch.no_grad():  # layers added on top start as identities: the grown drafter drafts as the saved one
+            for i in grown:
+                drafter.layers[i].self_attn.o_proj.weight.zero_()
+                drafter.layers[i].mlp.down_proj.weight.zero_()
+        missing, unexpected = drafter.load_state_dict(saved, strict=False)
+        if unexpected or set(missing) != {k for k in drafter.state_dict() if k.split(".")[:2] in
+                                          [["layers", str(i)] for i in grown]}:
+            raise ValueError(f"the saved drafter does not fit a {len(drafter.layers)}-layer drafter "
+                             f"(missing {missing}, unexpected {unexpected})")
     return drafter
 
 
 def continued_state(target: LoadedTarget, cfg: TrainConfig, layer_ids, directory: Path) -> dict:
     """The fp32 state dict of a saved drafter (DFlashDrafter.load) to continue training from, in
-    a later sitting on new data. Its shape must be the one `cfg` and `layer_ids` describe."""
+    a later sitting on new data. Its shape must be the one `cfg` and `layer_ids` describe, except
+    that `cfg` may have more layers: init_drafter adds them on top, as identities."""
     drafter = DFlashDrafter.load(directory, target.model)
     c = drafter.config
     mask = cfg.mask_token_id if cfg.mask_token_id is not None else target.model.config.vocab_size - 1
-    mine = (cfg.num_layers, cfg.block_size, tuple(layer_ids), mask)
-    theirs = (c.num_hidden_layers, c.block_size, tuple(c.target_layer_ids), c.mask_token_id)
+    mine = (cfg.block_size, tuple(layer_ids), mask)
+    theirs = (c.block_size, tuple(c.target_layer_ids), c.mask_token_id)
     if mine != theirs:
-        raise ValueError(f"{directory}: (layers, block size, target layers, mask token) {theirs} differ from this "
-                         f"run's {mine}")
+        raise ValueError(f"{directory}: (block size, target layers, mask token) {theirs} differ from this run's {mine}")
+    if c.num_hidden_layers > cfg.num_layers:
+        raise ValueError(f"{directory}: its {c.num_hidden_layers} layers differ from this run's {cfg.num_layers} "
+                         f"(a run may add layers to a saved drafter, not drop them)")
     return {k: t.float() if t.is_floating_point() else t for k, t in drafter.state_dict().items()}
 
 
