@@ -112,8 +112,9 @@ def test_export_loads_drafts_and_evaluates(trained, tmp_path):
 def test_export_can_cut_the_draft_vocabulary_to_the_most_used_ids(trained, tmp_path):
     """`--vocab-keep N`: the head covers only the N draft-vocabulary ids the training responses
     use most (counted here independently, held-out sequences excluded; ties at the cut go to
-    the lower id), so a draft costs less; the engine drafting with the cut head (its indices
-    mapped back to the kept ids) still equals plain decoding."""
+    the lower id), so a draft costs less. Nothing but the head's rows changes: the cut drafter's
+    logits are the full one's at the kept ids; and the engine drafting with it equals plain
+    decoding."""
     from collections import Counter
 
     target, work, cfg, *_ = trained
@@ -128,6 +129,13 @@ def test_export_can_cut_the_draft_vocabulary_to_the_most_used_ids(trained, tmp_p
     assert cut.draft_vocab.tolist() == sorted(ranked[:keep])
     assert json.loads((out / "config.json").read_text())["dflash_config"]["draft_vocab_size"] == keep
     assert f"draft vocabulary {keep} of" in (out / "README.md").read_text()
+    tokens, features, begin = sequences[0]
+    anchors = torch.arange(begin, len(tokens) - cfg.block_size)
+    kept = torch.searchsorted(full.draft_vocab, cut.draft_vocab)  # the kept ids' places in the full head
+    with torch.no_grad():
+        torch.testing.assert_close(cut.float().block_logits(features.float(), tokens, anchors),
+                                   full.float().block_logits(features.float(), tokens, anchors)[..., kept],
+                                   rtol=1e-5, atol=1e-5)
     tok = target.tokenizer
     requests = lambda: [Request(tok.encode(p), 16) for p in ("What is 2 plus 5?", "Hello there")]  # noqa: E731
     plain = solo_engine(target.model, None, 0, 64).generate(requests())

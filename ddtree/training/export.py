@@ -14,10 +14,8 @@ from .train import TrainConfig, evaluate_accuracy, init_drafter
 
 def frequent_vocabulary(vocab: torch.Tensor, sequences, keep: int) -> torch.Tensor:
     """The `keep` ids of `vocab` that the sequences' responses use most (ties: the lower id), sorted."""
-    counts = torch.zeros(int(vocab.max()) + 1, dtype=torch.long)
-    for tokens, _, start in sequences:
-        response = tokens[start:]
-        counts += torch.bincount(response[response < len(counts)], minlength=len(counts))
+    responses = torch.cat([tokens[start:] for tokens, _, start in sequences] or [torch.zeros(0, dtype=torch.long)])
+    counts = torch.bincount(responses, minlength=int(vocab.max()) + 1)
     order = torch.sort(counts[vocab], descending=True, stable=True).indices  # vocab is sorted: ties keep id order
     return vocab[order[:keep]].sort().values
 

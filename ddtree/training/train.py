@@ -96,8 +96,8 @@ def init_drafter(target: LoadedTarget, cfg: TrainConfig, layer_ids, saved: dict 
                 drafter.layers[i].self_attn.o_proj.weight.zero_()
                 drafter.layers[i].mlp.down_proj.weight.zero_()
         missing, unexpected = drafter.load_state_dict(saved, strict=False)
-        if unexpected or set(missing) != {k for k in drafter.state_dict() if k.split(".")[:2] in
-                                          [["layers", str(i)] for i in grown]}:
+        added = tuple(f"layers.{i}." for i in grown)
+        if unexpected or set(missing) != {k for k in drafter.state_dict() if k.startswith(added)}:
             raise ValueError(f"the saved drafter does not fit a {len(drafter.layers)}-layer drafter "
                              f"(missing {missing}, unexpected {unexpected})")
     return drafter
