@@ -10,6 +10,11 @@ process, so that a busy machine slows all alike.
 --repeats N times N forwards in a row per size and round (after one untimed), as decoding runs
 them back to back; with 1, each timed forward follows other sizes' and backends' forwards, and
 one row measured up to ~25% slower that way than in a run of one-row forwards.
+
+Where ddtree's CPU kernel is built, the last column is the linears' FMA floor: q rows times the
+linears' multiply-adds, at 8 per fused multiply-add and the rate one thread retires with nothing
+waiting on memory (ddtree_cpu.fma_rate), times the threads -- what T(q) cannot go below on this
+machine, however the weights stream.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import time
 
 import torch
 
+from ddtree.workers import cpu_gemm
 from ddtree.workers import model as target_model
 from ddtree.workers.loading import load_target
 
@@ -59,16 +65,30 @@ def main() -> None:
                     model(tokens, positions, mask, cache)
                     times[backend, q].append(time.perf_counter() - start)
 
+    floor = fma_floor(model, args.threads)
     print(f"torch {torch.__version__}, {args.threads} threads, weights {args.weights}, {args.rounds} rounds x {args.repeats}, "
           f"cache {CONTEXT} tokens; median ms and T(q)/T(1)")
-    print("| q | " + " | ".join(f"{b} T(q) ms | {b} T(q)/T(1)" for b in backends) + " |")
-    print("|---|" + "---|---|" * len(backends))
+    print("| q | " + " | ".join(f"{b} T(q) ms | {b} T(q)/T(1)" for b in backends) + (" | FMA floor ms |" if floor else " |"))
+    print("|---|" + "---|---|" * len(backends) + ("---|" if floor else ""))
     for q in sizes:
         cells = []
         for b in backends:
             t, t1 = statistics.median(times[b, q]), statistics.median(times[b, sizes[0]])
             cells += [f"{t * 1000:.1f}", f"{t / t1:.2f}"]
+        if floor:
+            cells.append(f"{q * floor * 1000:.1f}")
         print(f"| {q} | " + " | ".join(cells) + " |")
+
+
+def fma_floor(model, threads: int) -> float | None:
+    """Seconds per row that the linears' fused multiply-adds take at the cores' measured peak (the
+    best of five measurements), or None where ddtree's CPU kernel is not built."""
+    if not cpu_gemm.float_kernel():
+        return None
+    rate = max(torch.ops.ddtree_cpu.fma_rate(20_000_000) for _ in range(5))
+    macs = sum(module.weight.numel() for module in model.modules() if isinstance(module, torch.nn.Linear))
+    print(f"linears: {macs / 1e6:.1f}M multiply-adds per row; one thread retires {rate / 1e9:.2f}G 8-wide FMAs/s")
+    return macs / 8 / (rate * threads)
 
 
 if __name__ == "__main__":

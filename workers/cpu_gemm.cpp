@@ -29,6 +29,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -683,6 +684,35 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 }
 #endif
 
+// --- the FMA rate ---------------------------------------------------------------------------------
+//
+// fma_rate: 8-wide fused multiply-adds per second that the calling thread retires when nothing
+// waits on memory -- twelve independent chains, as many as float_mm's register tiles hold. The
+// compute floor of a forward of q rows is q times its multiply-adds over LANES times this rate
+// times the threads (benchmarks/verify_cost.py prints it beside T(q)).
+double fma_rate(int64_t iterations) {
+  TORCH_CHECK(iterations > 0, "iterations must be positive");
+#ifdef __AVX2__
+  __m256 a[12];
+  const __m256 x = _mm256_set1_ps(0.999999f), y = _mm256_set1_ps(1e-7f);
+  for (int i = 0; i < 12; ++i) a[i] = _mm256_set1_ps(static_cast<float>(i));
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t n = 0; n < iterations; ++n)
+    for (int i = 0; i < 12; ++i) a[i] = _mm256_fmadd_ps(a[i], x, y);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  alignas(32) float lanes[HEAD_LANES];
+  float sink = 0.0f;
+  for (int i = 0; i < 12; ++i) {
+    _mm256_store_ps(lanes, a[i]);
+    sink += lanes[0];
+  }
+  TORCH_CHECK(std::isfinite(sink), "fma_rate: the chains overflowed");
+  return 12.0 * static_cast<double>(iterations) / seconds;
+#else
+  TORCH_CHECK(false, "ddtree_cpu.fma_rate measures AVX2 fused multiply-adds");
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(ddtree_cpu, m) {
@@ -693,4 +723,5 @@ TORCH_LIBRARY(ddtree_cpu, m) {
   m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor offsets, int kv_heads, int head_stride, Tensor lengths, "
         "Tensor mask, float scale, Tensor? rows=None) -> Tensor");
   m.impl("tree_attention", c10::DispatchKey::CPU, TORCH_FN(tree_attention));
+  m.def("fma_rate(int iterations) -> float", TORCH_FN(fma_rate));
 }
