@@ -11,10 +11,10 @@ process, so that a busy machine slows all alike.
 them back to back; with 1, each timed forward follows other sizes' and backends' forwards, and
 one row measured up to ~25% slower that way than in a run of one-row forwards.
 
-For float weights where ddtree's CPU kernel is built, the last column is the linears' FMA floor: q rows times the
-linears' multiply-adds, at 8 per fused multiply-add and the rate one thread retires with nothing
-waiting on memory (ddtree_cpu.fma_rate), times the threads -- what T(q) cannot go below on this
-machine, however the weights stream.
+For float weights where ddtree's CPU kernel is built, the last column is the linears' FMA
+floor: q rows times the linears' multiply-adds, at 8 per fused multiply-add and the rate one
+thread retires with nothing waiting on memory (ddtree_cpu.fma_rate), times the threads -- what
+T(q) cannot go below on this machine, however the weights stream.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def main() -> None:
                     model(tokens, positions, mask, cache)
                     times[backend, q].append(time.perf_counter() - start)
 
-    floor = fma_floor(model, args.threads) if args.weights == "float" else None  # native linears are not nn.Linear
+    floor = fma_floor(model, args.threads) if args.weights == "float" else None  # native layers are not nn.Linear
     print(f"torch {torch.__version__}, {args.threads} threads, weights {args.weights}, {args.rounds} rounds x {args.repeats}, "
           f"cache {CONTEXT} tokens; median ms and T(q)/T(1)")
     print("| q | " + " | ".join(f"{b} T(q) ms | {b} T(q)/T(1)" for b in backends) + (" | FMA floor ms |" if floor else " |"))
