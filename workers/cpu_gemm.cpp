@@ -496,33 +496,25 @@ inline float head_dot(const float* q, const float* key, int64_t D) {
   return sum_lanes(acc);
 }
 
-// scores[t] = (q . key t) * scale for the n keys at element offsets keys[t], four keys at a time
-// (four independent chains in flight; each key's arithmetic is head_dot's whatever its place).
-void row_scores(const float* q, const float* kp, const int64_t* keys, int64_t n, int64_t D, float scale, float* scores) {
-  int64_t t = 0;
-  for (; t + 4 <= n; t += 4) {
-    const float *k0 = kp + keys[t], *k1 = kp + keys[t + 1], *k2 = kp + keys[t + 2], *k3 = kp + keys[t + 3];
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += HEAD_LANES) {
-      const __m256 qv = _mm256_loadu_ps(q + d);
-      a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d), a0);
-      a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k1 + d), a1);
-      a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k2 + d), a2);
-      a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k3 + d), a3);
-    }
-    scores[t] = sum_lanes(a0) * scale;
-    scores[t + 1] = sum_lanes(a1) * scale;
-    scores[t + 2] = sum_lanes(a2) * scale;
-    scores[t + 3] = sum_lanes(a3) * scale;
-  }
-  for (; t < n; ++t) scores[t] = head_dot(q, kp + keys[t], D) * scale;
+// sum_lanes of four vectors at once, each by the same tree: (a0 + a4, a1 + a5, a2 + a6, a3 + a7)
+// from the halves, reordered (h0, h2, h1, h3) so that one horizontal add pairs h0 + h2 and h1 +
+// h3 and the next adds those two (a sum's operands may swap: IEEE addition commutes exactly).
+inline __m128 sum_lanes4(const __m256 a[4]) {
+  const __m256 h01 = _mm256_add_ps(_mm256_permute2f128_ps(a[0], a[1], 0x20), _mm256_permute2f128_ps(a[0], a[1], 0x31));
+  const __m256 h23 = _mm256_add_ps(_mm256_permute2f128_ps(a[2], a[3], 0x20), _mm256_permute2f128_ps(a[2], a[3], 0x31));
+  __m256 y = _mm256_hadd_ps(_mm256_permute_ps(h01, 0xD8), _mm256_permute_ps(h23, 0xD8));
+  y = _mm256_hadd_ps(y, y);  // low half (s0, s2, s0, s2), high half (s1, s3, s1, s3)
+  return _mm_unpacklo_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
 }
 
-// row_scores for R query rows over the same n keys: an R x 4 tile of (row, key) chains per step,
-// each key's vector loaded once for the R rows. Every (row, key) score is head_dot's, as above.
+// scores[r][t] = (q[r] . key t) * scale for R query rows over the same n keys at element offsets
+// keys[t]: an R x 4 tile of (row, key) chains per step, each key's vector loaded once for the R
+// rows, the four keys' lanes summed together (sum_lanes4). Every (row, key) score is head_dot's
+// whatever its place.
 template <int R>
 void tile_scores(const float* const* q, const float* kp, const int64_t* keys, int64_t n, int64_t D, float scale,
                  float* const* scores) {
+  const __m128 factor = _mm_set1_ps(scale);
   int64_t t = 0;
   for (; t + 4 <= n; t += 4) {
     const float *k0 = kp + keys[t], *k1 = kp + keys[t + 1], *k2 = kp + keys[t + 2], *k3 = kp + keys[t + 3];
@@ -540,40 +532,51 @@ void tile_scores(const float* const* q, const float* kp, const int64_t* keys, in
         acc[r][3] = _mm256_fmadd_ps(qv, v3, acc[r][3]);
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) scores[r][t + c] = sum_lanes(acc[r][c]) * scale;
+    for (int r = 0; r < R; ++r) _mm_storeu_ps(scores[r] + t, _mm_mul_ps(sum_lanes4(acc[r]), factor));
   }
   for (; t < n; ++t)
     for (int r = 0; r < R; ++r) scores[r][t] = head_dot(q[r], kp + keys[t], D) * scale;
 }
 
-// out[d0 ... d0 + 8 STEPS) = (sum over t in key order of p[t] value t) / l: every output lane its
-// own chain of fused multiply-adds in key order, held in registers.
-template <int STEPS>
-void value_chunk(const float* vp, const int64_t* keys, const float* p, int64_t n, int64_t d0, float l, float* out) {
-  __m256 acc[STEPS];
-  for (int s = 0; s < STEPS; ++s) acc[s] = _mm256_setzero_ps();
+// The context's share of R rows' value sums (rows of one sequence and key-value head share its
+// keys): out[r][d0 ... d0 + 8 STEPS) = sum over t < n, in key order, of p[r][t] value t, not yet
+// divided by l -- each value vector loaded once for the R rows, every output lane its own chain
+// of fused multiply-adds in key order, held in registers, which finish_values continues over the
+// row's own block keys.
+template <int R, int STEPS>
+void context_values(const float* vp, const int64_t* keys, const float* const* p, int64_t n, int64_t d0, float* const* out) {
+  __m256 acc[R][STEPS];
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < STEPS; ++s) acc[r][s] = _mm256_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
-    const __m256 w = _mm256_set1_ps(p[t]);
     const float* v = vp + keys[t] + d0;
-    for (int s = 0; s < STEPS; ++s) acc[s] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + s * HEAD_LANES), acc[s]);
+    __m256 w[R];
+    for (int r = 0; r < R; ++r) w[r] = _mm256_broadcast_ss(p[r] + t);
+    for (int s = 0; s < STEPS; ++s) {
+      const __m256 vs = _mm256_loadu_ps(v + s * HEAD_LANES);
+      for (int r = 0; r < R; ++r) acc[r][s] = _mm256_fmadd_ps(w[r], vs, acc[r][s]);
+    }
   }
-  const __m256 sum = _mm256_set1_ps(l);
-  for (int s = 0; s < STEPS; ++s) _mm256_storeu_ps(out + d0 + s * HEAD_LANES, _mm256_div_ps(acc[s], sum));
+  for (int r = 0; r < R; ++r)
+    for (int s = 0; s < STEPS; ++s) _mm256_storeu_ps(out[r] + d0 + s * HEAD_LANES, acc[r][s]);
 }
 
-void row_values(const float* vp, const int64_t* keys, const float* p, int64_t n, int64_t D, float l, float* out) {
-  for (int64_t d0 = 0; d0 < D; d0 += 8 * HEAD_LANES) {
-    switch (std::min<int64_t>(8, (D - d0) / HEAD_LANES)) {
-      case 8: value_chunk<8>(vp, keys, p, n, d0, l, out); break;
-      case 7: value_chunk<7>(vp, keys, p, n, d0, l, out); break;
-      case 6: value_chunk<6>(vp, keys, p, n, d0, l, out); break;
-      case 5: value_chunk<5>(vp, keys, p, n, d0, l, out); break;
-      case 4: value_chunk<4>(vp, keys, p, n, d0, l, out); break;
-      case 3: value_chunk<3>(vp, keys, p, n, d0, l, out); break;
-      case 2: value_chunk<2>(vp, keys, p, n, d0, l, out); break;
-      default: value_chunk<1>(vp, keys, p, n, d0, l, out); break;
-    }
+// context_values over the whole head dimension, 32 outputs (4 vectors) per row at a time.
+template <int R>
+void rows_context_values(const float* vp, const int64_t* keys, const float* const* p, int64_t n, int64_t D, float* const* out) {
+  int64_t d0 = 0;
+  for (; d0 + 4 * HEAD_LANES <= D; d0 += 4 * HEAD_LANES) context_values<R, 4>(vp, keys, p, n, d0, out);
+  for (; d0 < D; d0 += HEAD_LANES) context_values<R, 1>(vp, keys, p, n, d0, out);
+}
+
+// A row's value sums continued from out (its context's share) over its n block keys, in block
+// order, then divided by l. A row's result is the same whatever rows share its tile.
+void finish_values(const float* vp, const int64_t* keys, const float* p, int64_t n, int64_t D, float l, float* out) {
+  const __m256 sum = _mm256_set1_ps(l);
+  for (int64_t d0 = 0; d0 < D; d0 += HEAD_LANES) {
+    __m256 acc = _mm256_loadu_ps(out + d0);
+    for (int64_t t = 0; t < n; ++t) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(vp + keys[t] + d0), acc);
+    _mm256_storeu_ps(out + d0, _mm256_div_ps(acc, sum));
   }
 }
 
@@ -624,7 +627,7 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   const int64_t group_rows = per_kv * Q, tiles = (group_rows + TILE_ROWS - 1) / TILE_ROWS;
   at::parallel_for(0, B * kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(TILE_ROWS * (S + HEAD_LANES));
-    std::vector<int64_t> keys(S);
+    std::vector<int64_t> keys(S), block_keys(TILE_ROWS * Q);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (kv_heads * tiles), g = (item / tiles) % kv_heads, tile = item % tiles;
       const int64_t head = g * head_stride, context = len[b], nb = real[b];
@@ -644,16 +647,20 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
         case 2: tile_scores<2>(qrows, kp, keys.data(), context, D, sc, scores); break;
         default: tile_scores<1>(qrows, kp, keys.data(), context, D, sc, scores); break;
       }
+      float* outs[TILE_ROWS];
+      float totals[TILE_ROWS];
+      int64_t seen[TILE_ROWS];  // block keys each row sees
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t h = g * per_kv + (first + r) / nb, i = (first + r) % nb;
+        outs[r] = op + ((b * Hq + h) * Q + i) * D;
         float* sp = scores[r];
-        int64_t n = context;  // then the block keys this row sees, in block order
+        int64_t* own = block_keys.data() + r * Q;
+        seen[r] = 0;  // then the block keys this row sees, in block order
         for (int64_t j = 0; j < Q; ++j)
-          if (mp[(b * Q + i) * Q + j]) {
-            keys[n] = off[b * S + context + j] + head;
-            sp[n] = head_dot(qrows[r], kp + keys[n], D) * sc;
-            ++n;
-          }
+          if (mp[(b * Q + i) * Q + j]) own[seen[r]++] = off[b * S + context + j] + head;
+        float* tail = sp + context;
+        tile_scores<1>(&qrows[r], kp, own, seen[r], D, sc, &tail);
+        const int64_t n = context + seen[r];
         __m256 top = _mm256_set1_ps(-INFINITY);  // the maximum, any order (exact)
         int64_t t = 0;
         for (; t + HEAD_LANES <= n; t += HEAD_LANES) top = _mm256_max_ps(top, _mm256_loadu_ps(sp + t));
@@ -669,8 +676,17 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
         for (t = n; t < padded; ++t) sp[t] = 0.0f;
         __m256 total = _mm256_setzero_ps();
         for (t = 0; t < padded; t += HEAD_LANES) total = _mm256_add_ps(total, _mm256_loadu_ps(sp + t));
-        row_values(vp, keys.data(), sp, n, D, sum_lanes(total), op + ((b * Hq + h) * Q + i) * D);
+        totals[r] = sum_lanes(total);
       }
+      // out = (sum over the keys in order of p_t value t) / l: the shared context keys for the
+      // tile's rows together, then each row's own block keys
+      switch (rows) {
+        case 3: rows_context_values<3>(vp, keys.data(), scores, context, D, outs); break;
+        case 2: rows_context_values<2>(vp, keys.data(), scores, context, D, outs); break;
+        default: rows_context_values<1>(vp, keys.data(), scores, context, D, outs); break;
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        finish_values(vp, block_keys.data() + r * Q, scores[r] + context, seen[r], D, totals[r], outs[r]);
     }
   });
   return out;
