@@ -24,8 +24,8 @@ class OracleDrafter:
     def new_cache(self, batch: int, slots: int):
         return None
 
-    def draft_rows(self, caches, features, bonus, start):
-        return self.draft(None, None, bonus, start)
+    def draft_rows(self, caches, features, bonus, start, depths=None):
+        return self.draft(None, None, bonus, start)  # every depth: the caller reads the first `depths`
 
     def draft(self, cache, features, bonus, start):
         depths = self.block_size - 1

@@ -246,6 +246,32 @@ def test_one_drafter_pass_for_many_sequences_equals_each_alone(tiny_checkpoint):
             assert int(together[r].lengths[0]) == int(alone[r].lengths[0]) == start[r]
 
 
+def test_drafting_only_the_reachable_depths_changes_no_tree(tiny_checkpoint):
+    """A tree of n drafted nodes reaches depth n at most, so the scheduler asks the drafter for
+    that many depths (DraftRows.depths) and the head and log-softmax skip the rest of the block.
+    The depths it does draft are bitwise those of a whole-block draft (the CPU GEMM computes each
+    row alone), and so are the candidates and the best-first tree of every budget up to n."""
+    from ddtree.kernels.tree import Candidates, grow_tree
+    from ddtree.workers.loading import load_target_weights
+
+    target = load_target_weights(tiny_checkpoint("llama", 97)[2], torch.float32)  # fp32: the CPU GEMM
+    drafter = DFlashDrafter.untrained(target, block_size=8, seed=5)
+    torch.manual_seed(1)
+    width = len(drafter.target_layer_ids) * target.config.hidden_size
+    feats = [torch.randn(1, n, width) for n in (4, 2)]
+    whole_caches, cut_caches = [drafter.new_cache(1, 32) for _ in feats], [drafter.new_cache(1, 32) for _ in feats]
+    bonus, start = torch.tensor([11, 12]), torch.tensor([4, 2])
+    whole = drafter.draft_rows(whole_caches, feats, bonus, start)
+    cut = drafter.draft_rows(cut_caches, feats, bonus, start, depths=3)
+    assert whole.shape[1] == 7 and cut.shape[1] == 3
+    assert torch.equal(cut, whole[:, :3])
+    for r in range(2):
+        for nodes in (1, 2, 3):
+            a = grow_tree(int(bonus[r]), Candidates.top_k(whole[r], nodes), nodes)
+            b = grow_tree(int(bonus[r]), Candidates.top_k(cut[r, :nodes], nodes), nodes)
+            assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents), (r, nodes)
+
+
 @pytest.mark.smollm2
 def test_a_smollm2_batch_gives_plain_decoding_up_to_near_ties(smollm2):
     """SmolLM2 fp32 with the shipped drafter: 6 vicuna prompts, greedy and seeded, budgets

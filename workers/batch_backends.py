@@ -77,6 +77,9 @@ class DraftRows:
     bonus: list[int]  # per sequence: its pending bonus token
     start: list[int]  # per sequence: the bonus's position (= its context length after the features)
     top_k: list[int]  # per sequence: candidates kept per depth
+    # per sequence: the deepest drafted depth its tree can use (a tree of n drafted nodes reaches
+    # depth n at most); the drafter's head and log-softmax run for the deepest of them only
+    depths: list[int] | None = None  # None: every depth of the block
 
 
 class BatchDrafter(Protocol):
@@ -142,9 +145,10 @@ class LocalBatchDrafter:
         self.caches[seq_id] = self.proposer.new_cache(1, slots)
 
     def propose(self, rows: DraftRows) -> list[Candidates]:
+        depths = rows.depths or [self.block_size - 1] * len(rows.ids)
         logprobs = self.proposer.draft_rows([self.caches[i] for i in rows.ids], rows.features,
-                                            torch.tensor(rows.bonus), torch.tensor(rows.start))
-        return [top_k_candidates(logprobs[r], k) for r, k in enumerate(rows.top_k)]
+                                            torch.tensor(rows.bonus), torch.tensor(rows.start), depths=max(depths))
+        return [top_k_candidates(logprobs[r, :d], k) for r, (k, d) in enumerate(zip(rows.top_k, depths))]
 
     def close(self, seq_id: int) -> None:
         self.caches.pop(seq_id, None)

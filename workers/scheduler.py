@@ -349,6 +349,7 @@ class Scheduler:
                 bonus=[rows[b].output[-1] for b in drafting],
                 start=[rows[b].length for b in drafting],
                 top_k=[1 if rows[b].budget == "chain" else granted[b] for b in drafting],
+                depths=[granted[b] for b in drafting],
             ))
             for b, proposal in zip(drafting, proposals):
                 rows[b].features = []
