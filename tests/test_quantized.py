@@ -59,7 +59,8 @@ def test_kernel_equals_dequantized_linear(kind, rows, n, k):
 @pytest.mark.parametrize("n,k", [(25, 288), (130, 576)])
 def test_kernel_rows_do_not_depend_on_their_batch(kind, n, k):
     """Batch invariance: row r of an M-row call is bitwise the 1-row call on that row, for every M
-    (register tiles of 4, 3, 2, 1 rows, panels of 64, the one-row path) and with 1 or 2 threads.
+    (register tiles of 4, 3, 2, 1 rows, panels of 64, the register paths of 1 and of 2-5 rows)
+    and with 1 or 2 threads.
     A tree's rows are verified together; if a row's logits depended on how many rows came with it,
     a tie could go another way than in plain decoding and the output would not be lossless."""
     gen = torch.Generator().manual_seed(k)

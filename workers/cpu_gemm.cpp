@@ -15,9 +15,10 @@
 // (exactly as gguf.quants de-quantizes them: an fp16 scale times a small integer code is exact in
 // fp32), and every activation row, up to PANEL_M of them, is multiplied against that buffer in
 // register tiles of R rows x C columns; so a weight is read from memory and decoded once per
-// PANEL_M rows, not once per few rows. One row (plain decoding) skips the buffer: each block is
-// decoded in registers and used at once. Its result is F.linear over the de-quantized weights up
-// to the order of the float sums.
+// PANEL_M rows, not once per few rows. Up to 5 rows (plain decoding, a small tree's verify pass,
+// a drafter's first depths) skip the buffer: each block is decoded in registers and used at once
+// for every row. Its result is F.linear over the de-quantized weights up to the order of the float
+// sums.
 //
 // float_mm: see its section below.
 //
@@ -167,6 +168,38 @@ inline void one_row(const float* x, const uint8_t* rows, int64_t groups, float* 
   for (int c = 0; c < C; ++c) y[c] = sum_lanes(a[c]);
 }
 
+// R activation rows (2-5: a verify pass over a small tree, a drafter's first depths) times C
+// weight rows, each block decoded in registers once and used for all R rows at once: the buffer
+// of `tiles` pays for its stores and loads only when more rows share a decoded block. The same
+// sums as multiply_tile's and one_row's, lane j adding k = j, j + 8, ... in order.
+template <typename Block, int R, int C>
+inline void few_rows(const float* x, int64_t K, const uint8_t* rows, int64_t groups, float* y, int64_t N) {
+  __m256 a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const float* xs = x + g * GROUP;
+    for (int c = 0; c < C; ++c) {
+      __m256 w[4];
+      prefetch(rows + ((c + C) * groups + g) * Block::BYTES);  // as one_row's
+      decode(Block{}, rows + (c * groups + g) * Block::BYTES, w);
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < 4; ++i) a[r][c] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xs + r * K + 8 * i), a[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) y[r * N + c] = sum_lanes(a[r][c]);
+}
+
+template <typename Block, int R>
+void few_rows_columns(const float* x, const uint8_t* blocks, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  constexpr int C = R == 2 ? 4 : R == 3 ? 3 : 2;  // 8-10 sums in flight
+  const int64_t groups = K / GROUP;
+  int64_t n = n0;
+  for (; n + C <= n1; n += C) few_rows<Block, R, C>(x, K, blocks + n * groups * Block::BYTES, groups, y + n, N);
+  for (; n < n1; ++n) few_rows<Block, R, 1>(x, K, blocks + n * groups * Block::BYTES, groups, y + n, N);
+}
+
 template <typename Block>
 void one_row_columns(const float* x, const uint8_t* blocks, float* y, int64_t K, int64_t n0, int64_t n1) {
   constexpr int C = 4;  // 4 independent sums in flight, and no spills (6 spilled them with GCC)
@@ -268,7 +301,14 @@ void run(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, 
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, tile_bytes * (1 + std::min(M, PANEL_M) / 4)));
   at::parallel_for(0, (N + TILE_N - 1) / TILE_N, grain, [&](int64_t t0, int64_t t1) {
 #ifdef __AVX2__
-    if (M == 1) return one_row_columns<Block>(x, blocks, y, K, t0 * TILE_N, std::min(N, t1 * TILE_N));
+    const int64_t n0 = t0 * TILE_N, n1 = std::min(N, t1 * TILE_N);
+    switch (M) {
+      case 1: return one_row_columns<Block>(x, blocks, y, K, n0, n1);
+      case 2: return few_rows_columns<Block, 2>(x, blocks, y, N, K, n0, n1);
+      case 3: return few_rows_columns<Block, 3>(x, blocks, y, N, K, n0, n1);
+      case 4: return few_rows_columns<Block, 4>(x, blocks, y, N, K, n0, n1);
+      case 5: return few_rows_columns<Block, 5>(x, blocks, y, N, K, n0, n1);
+    }
 #endif
     tiles<Block>(x, blocks, y, M, N, K, t0, t1);
   });
