@@ -60,6 +60,24 @@ def test_a_pool_smaller_than_a_full_step_measures_what_fits(tiny_checkpoint):
     assert sorted(measure_step_cost(tiny, row_counts(64), repeats=1)) == [1, 2, 3, 5, 9, 17]  # no context
 
 
+def test_row_counts_are_timed_in_rotated_rounds(tiny_checkpoint):
+    """The start-up measurement timed each row count's forwards one count after another, so a
+    slow minute of the shared machine fell on some counts only: one curve put T(9)/T(1) at 1.26
+    where later measurements gave 1.5-1.6, and `auto` granted 9-row trees where budget 4 ran
+    faster. Now a warm-up round and then every timed round cover every count, each round in
+    another rotation, over one set of pages that go back after."""
+    _, target, _ = tiny_checkpoint("llama", 97)
+    drafter = DFlashDrafter.untrained(target, block_size=4, seed=7)
+    scheduler = Scheduler.local(target, drafter, "auto", BatchLimits(max_step_tokens=64, kv_cache_tokens=256,
+                                                                     kv_page_tokens=16))
+    rows, forward = [], scheduler.target.forward
+    scheduler.target.forward = lambda batch: (rows.append(batch.tokens.shape[1]), forward(batch))[1]
+    seconds = measure_step_cost(scheduler, [1, 2, 3, 5], repeats=2)
+    assert rows == [64, 1, 2, 3, 5, 2, 3, 5, 1, 3, 5, 1, 2]  # the context once, a warm-up round, two timed
+    assert sorted(seconds) == [1, 2, 3, 5] and all(s > 0 for s in seconds.values())
+    assert scheduler.pool.free_pages == scheduler.pool.num_pages
+
+
 def test_timings_taken_through_another_gemm_are_not_reused(tiny_chat_model, tmp_path, monkeypatch):
     """Bug: the cache key named the machine, the target, the dtype and torch's version, but not
     the GEMM the fp32 linears take. When they moved from oneDNN to ddtree's float_mm (a 9-row

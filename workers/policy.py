@@ -470,31 +470,37 @@ def measure_step_cost(scheduler, counts: list[int], repeats: int = 3) -> dict[in
     """Median seconds of one target forward over r rows after CALIBRATION_CONTEXT committed
     tokens (none in a pool too small for them), per r in `counts` that fits the KV pool
     (`measurable`), through the scheduler's target backend and pool (its pages go back after).
-    What T(r) costs does not depend on the token values."""
+    What T(r) costs does not depend on the token values.
+
+    The counts are timed in rounds, a warm-up round and then `repeats`, each round in another
+    rotation of them (as benchmarks/verify_cost.py times them), so that a slow minute of a
+    shared machine weighs on every count alike rather than on the counts timed during it: one
+    start-up curve, timed count after count, put T(9)/T(1) at 1.26 where four later
+    measurements gave 1.51-1.64, and the policy granted 9-row trees where budget 4 ran faster."""
     target, pool = scheduler.target, scheduler.pool
     counts = measurable(scheduler, counts)
     context = calibration_context(pool)
     capture = tuple(scheduler.drafter.target_layer_ids) if scheduler.drafter is not None else ()
     g = torch.Generator().manual_seed(0)
-    out = {}
-    for r in counts:
-        pages: list[int] = []
-        pool.grow(pages, context + r)
-        try:
-            tokens = torch.randint(0, 32, (1, context + r), generator=g)
-            batch = lambda lo, hi: TargetBatch(  # noqa: E731 -- rows [lo, hi) after lo committed
-                tokens=tokens[:, lo:hi], positions=torch.arange(lo, hi)[None],
-                mask=torch.ones(hi - lo, hi - lo, dtype=torch.bool).tril()[None], tables=[pages], lengths=[lo],
-                capture=capture, logits_to_keep=0, sampling=[GREEDY], seeds=[None],
-                draw_positions=torch.arange(lo + 1, hi + 1)[None])
-            if context:
-                target.forward(batch(0, context))
-            times = []
-            for _ in range(repeats + 1):
+    times: dict[int, list[float]] = {r: [] for r in counts}
+    pages: list[int] = []
+    pool.grow(pages, context + max(counts))  # every count's rows go to the same uncommitted slots
+    try:
+        tokens = torch.randint(0, 32, (1, context + max(counts)), generator=g)
+        batch = lambda lo, hi: TargetBatch(  # noqa: E731 -- rows [lo, hi) after lo committed
+            tokens=tokens[:, lo:hi], positions=torch.arange(lo, hi)[None],
+            mask=torch.ones(hi - lo, hi - lo, dtype=torch.bool).tril()[None], tables=[pages], lengths=[lo],
+            capture=capture, logits_to_keep=0, sampling=[GREEDY], seeds=[None],
+            draw_positions=torch.arange(lo + 1, hi + 1)[None])
+        if context:
+            target.forward(batch(0, context))
+        for round_ in range(repeats + 1):  # round 0 warms up
+            shift = round_ % len(counts)
+            for r in counts[shift:] + counts[:shift]:
                 start = time.perf_counter()
                 target.forward(batch(context, context + r))
-                times.append(time.perf_counter() - start)
-            out[r] = statistics.median(times[1:])  # the first is a warm-up
-        finally:
-            pool.release(pages)
-    return out
+                if round_:
+                    times[r].append(time.perf_counter() - start)
+    finally:
+        pool.release(pages)
+    return {r: statistics.median(t) for r, t in times.items()}
