@@ -147,31 +147,10 @@ inline void multiply_tile(const float* x, int64_t K, const float* w, float* acc,
     for (int c = 0; c < C; ++c) _mm256_store_ps(acc + (r * TILE_N + c) * LANES, a[r][c]);
 }
 
-// One activation row (M = 1) times C weight rows, each block decoded in registers and used at
-// once (a buffer would only add stores and loads): the same sums as multiply_tile's, lane j
-// adding k = j, j + 8, ... in order.
-template <typename Block, int C>
-inline void one_row(const float* x, const uint8_t* rows, int64_t groups, float* y) {
-  __m256 a[C];
-  for (int c = 0; c < C; ++c) a[c] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const float* xs = x + g * GROUP;
-    for (int c = 0; c < C; ++c) {
-      __m256 w[4];
-      // the same block of the next C rows: reading C rows side by side left the hardware's
-      // prefetcher behind (the Q8_0 LM head ran at a third of the old kernel's speed without it)
-      prefetch(rows + ((c + C) * groups + g) * Block::BYTES);
-      decode(Block{}, rows + (c * groups + g) * Block::BYTES, w);
-      for (int i = 0; i < 4; ++i) a[c] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xs + 8 * i), a[c]);
-    }
-  }
-  for (int c = 0; c < C; ++c) y[c] = sum_lanes(a[c]);
-}
-
-// R activation rows (2-5: a verify pass over a small tree, a drafter's first depths) times C
-// weight rows, each block decoded in registers once and used for all R rows at once: the buffer
-// of `tiles` pays for its stores and loads only when more rows share a decoded block. The same
-// sums as multiply_tile's and one_row's, lane j adding k = j, j + 8, ... in order.
+// R activation rows (1-5: plain decoding, a verify pass over a small tree, a drafter's first
+// depths) times C weight rows, each block decoded in registers once and used at once for all R
+// rows: the buffer of `tiles` pays for its stores and loads only when more rows share a decoded
+// block. The same sums as multiply_tile's, lane j adding k = j, j + 8, ... in order.
 template <typename Block, int R, int C>
 inline void few_rows(const float* x, int64_t K, const uint8_t* rows, int64_t groups, float* y, int64_t N) {
   __m256 a[R][C];
@@ -181,7 +160,9 @@ inline void few_rows(const float* x, int64_t K, const uint8_t* rows, int64_t gro
     const float* xs = x + g * GROUP;
     for (int c = 0; c < C; ++c) {
       __m256 w[4];
-      prefetch(rows + ((c + C) * groups + g) * Block::BYTES);  // as one_row's
+      // the same block of the next C rows: reading C rows side by side left the hardware's
+      // prefetcher behind (the Q8_0 LM head ran at a third of the old kernel's speed without it)
+      prefetch(rows + ((c + C) * groups + g) * Block::BYTES);
       decode(Block{}, rows + (c * groups + g) * Block::BYTES, w);
       for (int r = 0; r < R; ++r)
         for (int i = 0; i < 4; ++i) a[r][c] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xs + r * K + 8 * i), a[r][c]);
@@ -193,21 +174,14 @@ inline void few_rows(const float* x, int64_t K, const uint8_t* rows, int64_t gro
 
 template <typename Block, int R>
 void few_rows_columns(const float* x, const uint8_t* blocks, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  constexpr int C = R == 2 ? 4 : R == 3 ? 3 : 2;  // 8-10 sums in flight
+  // 4-10 sums in flight, and no spills (one row with 6 spilled them with GCC)
+  constexpr int C = R <= 2 ? 4 : R == 3 ? 3 : 2;
   const int64_t groups = K / GROUP;
   int64_t n = n0;
   for (; n + C <= n1; n += C) few_rows<Block, R, C>(x, K, blocks + n * groups * Block::BYTES, groups, y + n, N);
   for (; n < n1; ++n) few_rows<Block, R, 1>(x, K, blocks + n * groups * Block::BYTES, groups, y + n, N);
 }
 
-template <typename Block>
-void one_row_columns(const float* x, const uint8_t* blocks, float* y, int64_t K, int64_t n0, int64_t n1) {
-  constexpr int C = 4;  // 4 independent sums in flight, and no spills (6 spilled them with GCC)
-  const int64_t groups = K / GROUP;
-  int64_t n = n0;
-  for (; n + C <= n1; n += C) one_row<Block, C>(x, blocks + n * groups * Block::BYTES, groups, y + n);
-  for (; n < n1; ++n) one_row<Block, 1>(x, blocks + n * groups * Block::BYTES, groups, y + n);
-}
 #else
 inline void decode(Q4_0, const uint8_t* b, float* w) {
   const float d = half_at(b);
@@ -273,7 +247,7 @@ void tiles(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N
         for (int64_t c = 0; c < columns; ++c) {
           const uint8_t* row = blocks + ((n0 + c) * groups + k0 / GROUP) * Block::BYTES;
           for (int64_t g = 0; g < width / GROUP; ++g) {
-            prefetch(row + (TILE_N * groups + g) * Block::BYTES);  // the next tile's block (see one_row)
+            prefetch(row + (TILE_N * groups + g) * Block::BYTES);  // the next tile's block (see few_rows)
             decode(Block{}, row + g * Block::BYTES, w + c * TILE_K + g * GROUP);
           }
         }
@@ -303,7 +277,7 @@ void run(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, 
 #ifdef __AVX2__
     const int64_t n0 = t0 * TILE_N, n1 = std::min(N, t1 * TILE_N);
     switch (M) {
-      case 1: return one_row_columns<Block>(x, blocks, y, K, n0, n1);
+      case 1: return few_rows_columns<Block, 1>(x, blocks, y, N, K, n0, n1);
       case 2: return few_rows_columns<Block, 2>(x, blocks, y, N, K, n0, n1);
       case 3: return few_rows_columns<Block, 3>(x, blocks, y, N, K, n0, n1);
       case 4: return few_rows_columns<Block, 4>(x, blocks, y, N, K, n0, n1);
