@@ -310,6 +310,18 @@ def test_policy_grants_trees_where_rows_are_cheap_and_none_where_they_are_not(ti
     assert math.isclose(predicted, accepted, rel_tol=0.15), (predicted, accepted)
 
 
+def test_the_drafters_cold_first_pass_is_not_taken_as_its_cost():
+    """Bug: the first drafter pass of a process runs cold (69 ms against ~10 warm for SmolLM2's
+    drafter: it builds its draft-vocabulary head) and set the draft's cost curve; at one stream
+    every tree then looked 2x dearer than a plain step, `auto` never drafted again, so no pass
+    ever corrected the curve (1 stream: 0.92x budget 4, trees from lookup alone)."""
+    policy = BudgetPolicy(CostCurve({1: 0.040, 5: 0.050}))
+    policy.observe_step(1, 5, 0.05, 1, 0.069, 0.002)  # the cold first pass
+    assert policy.draft.predict(1) == 0.0  # no cost known yet: drafting stays possible
+    policy.observe_step(1, 5, 0.05, 1, 0.010, 0.002)
+    assert policy.draft.predict(1) == pytest.approx(0.010)
+
+
 def test_a_long_stretch_without_drafting_does_not_end_probing():
     """Bug: the best gains seen (what gates probes) faded every step, so after a busy stretch in
     which no tree paid and nothing drafted, no new sequence was ever probed again: after a

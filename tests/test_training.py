@@ -177,6 +177,22 @@ def test_a_later_sitting_continues_a_saved_drafter(trained, tmp_path):
         stage_train(target, tmp_path / "other", other, LAYERS, init_from=saved_dir)
 
 
+def test_training_reaches_every_parameter_of_the_drafter(trained):
+    """Bug: the MLP's gate and up projections run as one fused GEMM (FusedLinears) whose matrix
+    is a plain tensor, so under autograd no gradient reached them: three sittings of the shipped
+    drafter trained with every gate/up projection frozen at its start (the third layer's at its
+    random initialization). Every trainable parameter must get a gradient from the block loss."""
+    target, work, cfg, *_ = trained
+    drafter = init_drafter(target, cfg, LAYERS)
+    tokens, features, start = load_sequences(work)[0]
+    anchors = torch.tensor(sample_anchors(len(tokens), start, cfg.block_size, 8, random.Random(0)))
+    block_loss(drafter, tokens, features.float(), anchors, position_weights(cfg.block_size, cfg.gamma))[0].backward()
+    trainable = {name: p for name, p in drafter.named_parameters() if p.requires_grad}
+    assert any("gate_proj" in name for name in trainable) and any("q_proj" in name for name in trainable)
+    missing = [name for name, p in trainable.items() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not missing, missing
+
+
 def test_a_later_sitting_may_add_layers_on_top(trained, tmp_path):
     """A drafter may grow between sittings (`--layers 2 --init-from` a 1-layer drafter): the
     added layer starts as an identity (its output projections zero), so step 0 drafts exactly
