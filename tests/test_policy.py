@@ -174,19 +174,40 @@ def test_packed_rows_learn_what_a_node_costs_in_the_batch():
     calibrated = {1: 0.034, 3: 0.032, 5: 0.036, 9: 0.050, 17: 0.080}
     policy = BudgetPolicy(packed=True)
     policy.calibrate(CostCurve(calibrated))
-    assert policy.row_factor() == 1.0
+    assert policy.row_factor(5) == 1.0
     assert policy.verify_s(1, 5, 4) == pytest.approx(0.036)  # 4 nodes on one sequence: T(5)
     policy.observe_step(3, 2, 0.046, 0, 0.0, 0.0, nodes=1)  # T(3) unseen: teaches nothing
-    assert policy.row_factor() == 1.0
+    assert policy.row_factor(3) == 1.0
     for _ in range(60):
         policy.observe_step(5, 1, 0.040, 0, 0.0, 0.0)  # plain steps of 5 sequences: 40 ms
         policy.observe_step(5, 5, 0.0610, 1, 0.0, 0.0, nodes=4)  # 4 nodes more: 21 ms, 1.5x the curve's 14
     assert policy.verify.predict(5) == pytest.approx(0.040, rel=0.01)
-    assert 1.35 < policy.row_factor() < 1.5  # towards 1.5; the prior (0.05 s at 1) still weighs in
+    assert 1.35 < policy.row_factor(5) < 1.5  # towards 1.5; the prior (0.05 s at 1) still weighs in
     assert policy.shape.points == calibrated  # the live steps leave the calibrated shape alone
     # one node adds ~1.45 x 3.5 ms: granted where its expected gain beats 5 tokens / 40 ms of it
     assert policy.choose(5, [1, 2], [[0.0, 0.6]], draft_s=0.0).nodes == [0]
     assert policy.choose(5, [1, 2], [[0.0, 0.7]], draft_s=0.0).nodes == [1]
+
+
+def test_a_row_factor_learnt_on_one_sequence_does_not_price_a_batchs_nodes():
+    """Bug: one row factor served every batch size. At one stream a node's rows cost about half
+    what the one-sequence start-up curve adds (0.47: the first rows past one ride the GEMM's
+    register tiles), and the same factor then priced the nodes of a 4-sequence batch, where they
+    cost more than the curve says: auto granted 10-22-node trees at 4 streams and lost 13% to
+    budget 4 (run G). Each power-of-two band of batch sizes learns its own."""
+    policy = BudgetPolicy(packed=True)
+    policy.calibrate(CostCurve({1: 0.040, 5: 0.050, 9: 0.070, 17: 0.100}))
+    for _ in range(60):
+        policy.observe_step(1, 1, 0.040, 0, 0.0, 0.0)
+        policy.observe_step(1, 9, 0.055, 1, 0.0, 0.0, nodes=8)  # 8 nodes add 15 ms: half the curve's 30
+    assert policy.row_factor(1) < 0.6
+    assert policy.row_factor(4) == policy.row_factor(2) == 1.0  # bands not seen yet: the curve as is
+    for _ in range(60):
+        policy.observe_step(4, 1, 0.050, 0, 0.0, 0.0)
+        policy.observe_step(4, 9, 0.100, 1, 0.0, 0.0, nodes=8)  # 8 nodes add 50 ms: 1.5x the curve's 34
+    assert 1.35 < policy.row_factor(4) < 1.5 and policy.row_factor(7) == policy.row_factor(4)
+    assert policy.row_factor(1) < 0.6  # a lone sequence keeps its own
+    assert policy.verify_s(4, 9, 8) == pytest.approx(0.050 + policy.row_factor(4) * 0.03375)
 
 
 def test_the_rest_of_a_step_is_learnt_apart_for_steps_with_trees():

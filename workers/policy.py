@@ -13,13 +13,15 @@ The model (README, "How budget: auto chooses"):
   tree s gets its own nodes n_s and the step costs its real rows:
       rate(n) = (B + sum_s E_s(n_s)) / (T(B) + k (T1(B + N) - T1(B)) + D(|S|) + O(B)),
   N = sum_s n_s, T1 the start-up curve as measured (`shape`: the GEMMs' register tiles make the
-  first rows past a multiple of 4 nearly free), k = measured / T1's extra seconds of the recent
-  steps with trees (`row_factor`); nodes are granted highest marginal gain first.
+  first rows past a multiple of 4 nearly free), k(B) = measured / T1's extra seconds of the
+  recent steps with trees in batches of about B (`row_factor`, one per power-of-two band of B:
+  a node of a 16-sequence batch costs more than T1 says, one of a lone sequence less); nodes are
+  granted highest marginal gain first.
 - T(r): seconds of one target forward over r rows in all (`CostCurve`), calibrated over row
   counts at start-up (ddtree.calibrate) and refreshed from every step's own timing.
-- D(n): the drafter's pass over n sequences; O(B): the rest of a step (trees, walk, commit),
-  one curve for plain steps (Q = 1) and one for steps with trees, which cost more; all learned
-  from the live steps.
+- D(n): the drafter's pass over n sequences and growing their trees; O(B): the rest of a step
+  (lookup branches, walk, commit), one curve for plain steps (Q = 1) and one for steps with
+  trees, which cost more; all learned from the live steps.
 - E_s(n): the expected accepted tokens of sequence s's best-first tree of n nodes. DDTree grows
   the tree in order of the drafter's path probabilities p_i, so with a calibrated drafter the
   probability that the target's own path reaches depth d is the mass m_d(n) of the tree's first n
@@ -224,10 +226,11 @@ class BudgetPolicy:
         # packed: `verify` learns plain steps (B rows); the rows of a step's nodes add what the
         # calibrated curve adds from B to B + nodes rows (`shape`: the GEMMs' register tiles make
         # the first extra rows of a small batch nearly free), times a factor learned from the
-        # steps with trees: faded sums of their measured and their shape's extra seconds, from
-        # batches whose plain step was seen PLAIN_SEEN times (others' T(B) is still the guess)
+        # steps with trees of batches of about that size (`_band`): faded sums of their measured
+        # and their shape's extra seconds, from batches whose plain step was seen PLAIN_SEEN
+        # times (others' T(B) is still the guess)
         self.calibrate(step_cost or CostCurve())  # verify, shape
-        self._extra_s, self._extra_shape = 0.0, 0.0
+        self._extra: dict[int, list[float]] = {}  # band -> [measured, shape's] extra seconds
         self._plain_seen: dict[int, int] = {}
         self.draft = CostCurve()
         # the drafter's first pass in a process runs cold (it builds its draft-vocabulary head,
@@ -270,17 +273,20 @@ class BudgetPolicy:
     def node_rows_s(self, batch: int, nodes: int) -> float:
         """Packed: what `nodes` rows add to a plain step of `batch` sequences: the calibrated
         curve's T(B + nodes) - T(B), times the learned `row_factor`."""
-        return self.row_factor() * self._shape_extra(batch, nodes) if nodes else 0.0
+        return self.row_factor(batch) * self._shape_extra(batch, nodes) if nodes else 0.0
 
     def _shape_extra(self, batch: int, nodes: int, base: float | None = None) -> float:
         """T1(B + nodes) - T1(B) of the calibrated shape; `base`: T1(B) when already known."""
         base = self.shape.predict(batch) if base is None else base
         return max(self.shape.predict(batch + nodes) - base, 0.0)
 
-    def row_factor(self) -> float:
-        """Measured over calibrated extra seconds of the steps with trees (1 at first: a batch's
-        rows attend over longer contexts than the calibration's one sequence, so it grows)."""
-        return (self._extra_s + ROW_PRIOR_S) / (self._extra_shape + ROW_PRIOR_S)
+    def row_factor(self, batch: int) -> float:
+        """Measured over calibrated extra seconds of the recent steps with trees in batches of
+        `batch`'s band (1 at first). One factor for every batch once priced a 4-sequence
+        batch's nodes at what one sequence's had taught (0.47: its first rows ride the GEMM's
+        register tiles), and auto granted 10-22-node trees at 4 streams that lost 13% to budget 4."""
+        measured, shape = self._extra.get(_band(batch), (0.0, 0.0))
+        return (measured + ROW_PRIOR_S) / (shape + ROW_PRIOR_S)
 
     def _time(self, batch: int, q: int, drafting: int, fixed_nodes: int = 0) -> float:
         """A step in which `drafting` auto sequences fill Q - 1 nodes each."""
@@ -378,7 +384,7 @@ class BudgetPolicy:
         # what does not change with the nodes, once per step: T(B), the shape's T1(B), the factor
         plain = self.verify.predict(batch) + draft_s
         others = self.other.predict(batch), self._other(2).predict(batch)
-        base, factor = self.shape.predict(batch), self.row_factor()
+        base, factor = self.shape.predict(batch), self.row_factor(batch)
 
         def seconds(nodes: int) -> float:
             total = fixed_nodes + nodes
@@ -449,8 +455,9 @@ class BudgetPolicy:
                 self.verify.observe(batch, verify_s)
                 self._plain_seen[batch] = self._plain_seen.get(batch, 0) + 1
             elif self._plain_seen.get(batch, 0) >= PLAIN_SEEN:  # what the nodes' rows added to a plain step
-                self._extra_s = ROW_DECAY * self._extra_s + verify_s - self.verify.predict(batch)
-                self._extra_shape = ROW_DECAY * self._extra_shape + self._shape_extra(batch, nodes)
+                sums = self._extra.setdefault(_band(batch), [0.0, 0.0])
+                sums[0] = ROW_DECAY * sums[0] + verify_s - self.verify.predict(batch)
+                sums[1] = ROW_DECAY * sums[1] + self._shape_extra(batch, nodes)
         if drafting and draft_s > 0:
             if self._cold_draft:
                 self._cold_draft = False
@@ -458,6 +465,11 @@ class BudgetPolicy:
                 self.draft.observe(drafting, draft_s)
         if other_s > 0:
             (self.other_trees if q > 1 else self.other).observe(batch, other_s)
+
+
+def _band(batch: int) -> int:
+    """The batch sizes that share a row factor: 1, 2-3, 4-7, 8-15, ... (a power-of-two band)."""
+    return batch.bit_length()
 
 
 def measurable(scheduler, counts: list[int]) -> list[int]:
