@@ -651,7 +651,9 @@ class SingleProcess:
         b, k, _ = logits.shape
         choices = torch.empty((b, k), dtype=torch.int64, device=logits.device)
         greedy = [r for r in range(b) if is_greedy(sampling[r])]
-        if greedy:
+        if len(greedy) == b:  # every row greedy: the logits as they are, no copy of [B, K, V]
+            choices = self.choose(logits.reshape(b * k, logits.shape[-1]), GREEDY, None, []).view(b, k).to(logits.device)
+        elif greedy:
             nodes = logits[greedy].reshape(len(greedy) * k, logits.shape[-1])
             choices[greedy] = self.choose(nodes, GREEDY, None, []).view(len(greedy), k).to(logits.device)
         for r in sorted(set(range(b)) - set(greedy)):
