@@ -88,7 +88,8 @@ def main() -> None:
             if budget != "auto":
                 continue
             print(f"  row factors (B = 1 / 4 / 16) {policy.row_factor(1):.2f} / {policy.row_factor(4):.2f} / "
-                  f"{policy.row_factor(16):.2f}, bias {policy.bias:.2f}, D(1) {policy.draft.predict(1) * 1e3:.1f} ms")
+                  f"{policy.row_factor(16):.2f}, bias drafted / lookup alone {policy.bias():.2f} / "
+                  f"{policy.bias(drafted=False):.2f}, D(1) {policy.draft.predict(1) * 1e3:.1f} ms")
             print("  | B | nodes | drafted | steps | verify ms | draft ms | rest ms | accepted | tokens/s |")
             for (batch, nodes, drafted), v in sorted(groups.items(), key=lambda kv: (kv[0][0], ORDER.index(kv[0][1]), kv[0][2])):
                 if len(v) < 3:

@@ -349,7 +349,7 @@ class Scheduler:
                 bonus=[rows[b].output[-1] for b in drafting],
                 start=[rows[b].length for b in drafting],
                 top_k=[1 if rows[b].budget == "chain" else granted[b] for b in drafting],
-                depths=[granted[b] for b in drafting],
+                depths=[rows[b].estimate.draft_depth(granted[b]) if b in auto else granted[b] for b in drafting],
             ))
             for b, proposal in zip(drafting, proposals):
                 rows[b].features = []
@@ -378,6 +378,7 @@ class Scheduler:
                 granted[b] = nodes
                 if b in candidates:
                     trees[b] = trees[b].prefix(nodes)
+                    rows[b].estimate.depth = int(trees[b].depths.max())
                 elif nodes:
                     trees[b] = grow_tree(rows[b].output[-1], None, nodes, branches[b])
         draft_s = [(t1 - t0) / len(drafting) if b in candidates else 0.0 for b in range(len(rows))]
