@@ -59,15 +59,15 @@ def test_expected_accepted_tokens_of_the_worked_tree():
     assert float(expected_accepted(mass[1], torch.tensor([3.0, 1.0], dtype=torch.float64))) == pytest.approx(1.0)
 
 
-def test_acceptance_factor_is_realized_over_predicted_reaches():
+def test_acceptance_factor_is_realized_over_predicted_hits():
     a = Acceptance(decay=1.0)
-    assert a.factor(1) == 1.0  # nothing seen: trust the drafter
-    a.observe([1.0, 0.5], reached=[False, False])
-    a.observe([1.0, 0.5], reached=[True, False])
-    # depth 1: 1 reach of 2 predicted, plus the prior's 1 of 1 -> 2 / 3; depth 2: 0 of 1 (+1/1) -> 1/2
-    assert a.factor(1) == pytest.approx(2 / 3) and a.factor(2) == pytest.approx(1 / 2)
+    assert a.factor(0) == 1.0  # nothing seen: trust the drafter
+    a.observe([1.0, 0.5], [0, 0])
+    a.observe([1.0, 0.5], [1, 0])
+    # bin 0: 1 hit of 2 predicted, plus the prior's 1 of 1 -> 2 / 3; bin 1: 0 of 1 (+1/1) -> 1/2
+    assert a.factor(0) == pytest.approx(2 / 3) and a.factor(1) == pytest.approx(1 / 2)
     seq = Acceptance(decay=1.0, prior=a)
-    assert seq.factor(2) == pytest.approx(1 / 2)  # a new sequence starts from the batch's factor
+    assert seq.factor(1) == pytest.approx(1 / 2)  # a new sequence starts from the batch's factor
 
 
 def test_a_lookup_chain_is_counted_apart_from_the_drafters_nodes():
@@ -96,8 +96,10 @@ def test_a_lookup_chain_is_counted_apart_from_the_drafters_nodes():
     # the path 7 -> 5 (chain) -> 9 (drafter): depth 1 was reached on the chain, depth 2 through
     # the drafter's node; predicted with the factors 1 and the bias 1: min(1, .6 + .9) + .72
     assert policy.observe_round(estimate, tree, None, [0, 1, 2]) == pytest.approx(1.72)
-    assert estimate.acceptance.hits == [0.0, 1.0] and estimate.acceptance.mass == pytest.approx([0.6, 0.72])
-    assert policy.batch.hits == [0.0, 1.0]
+    # the factors learn the drafter's own nodes, 5 -> 9 (.72) and 4 (.6), both of bin 0 (p >= .5),
+    # of which the path took one
+    assert estimate.acceptance.hits == [1.0, 0, 0, 0] and estimate.acceptance.mass == pytest.approx([1.32, 0, 0, 0])
+    assert policy.batch.hits == [1.0, 0, 0, 0]
     # the gains of a chain alone, read off the chain without growing its tree, are the grown
     # tree's: .9 at one node, .9 + .45 at two (all it has)
     chain_only = Lookup([5, 6], [math.log(.9), math.log(.5)], ngram=2)
@@ -111,7 +113,7 @@ def test_a_lookup_chain_is_counted_apart_from_the_drafters_nodes():
     before = list(estimate.acceptance.hits)
     policy.observe_round(estimate, alone, None, [0, 1, 2])
     assert estimate.acceptance.hits == pytest.approx([h * estimate.acceptance.decay for h in before])
-    assert estimate.acceptance.mass == pytest.approx([0.6 * 0.9, 0.72 * 0.9])
+    assert estimate.acceptance.mass == pytest.approx([1.32 * 0.9, 0, 0, 0])
 
 
 def test_a_smaller_budget_grows_the_prefix_of_the_larger_tree():
@@ -432,3 +434,37 @@ def test_the_scheduler_asks_the_drafter_for_the_depths_the_policy_sets(tiny_chec
     deepest = [len(r.drafted_per_depth) for r in result.rounds]  # each chosen tree's depth
     for step, previous in zip(depths[1:], deepest):  # each draft: the last chosen tree's depth + margin
         assert step == min(most, max(MIN_DRAFT_DEPTH, previous + DEPTH_MARGIN)), (depths, deepest)
+
+
+def test_the_drafters_nodes_are_calibrated_by_their_probability_not_their_depth():
+    """Bug: one factor per depth, learned on the policy's own trees (mostly their p >= .5
+    nodes, over-confident on chat: taken 0.64 times as often as p said), priced the siblings a
+    wider tree adds (p < .2, taken 1.03-1.11 times as often) at the same low factor: on
+    vicuna-bench it predicted 0.58 accepted tokens for budget 4's trees, which took 0.77, and
+    `auto` decoded most chat steps plainly where budget 4 ran 1.2x plain. Here the worked
+    tree's top node (p .6) is never taken and its sibling (p .3) always is: the sibling's gain
+    is predicted, the top node's is not -- a factor per depth would give them one factor."""
+    policy = BudgetPolicy(CostCurve({1: 1.0}))
+    estimate = policy.sequence()
+    tree = worked_tree()  # nodes: 1 = (0) p .6, 2 = (0, 1) p .48, 3 = (1) p .3
+    for _ in range(50):
+        policy.observe_round(estimate, tree, None, [0, 3])
+    curve = policy.curve(tree, estimate, 3)
+    assert curve[1] < 0.1  # the top node alone
+    assert curve[3] - curve[2] > 0.25  # what the sibling adds
+
+
+def test_a_sequences_first_trees_weigh_alike_in_its_gains():
+    """Bug: a sequence's gains were a moving average (weight 0.2) seeded by its first tree --
+    the first step of a reply, the hardest to draft -- so a chat sequence probed at 0.2 expected
+    tokens stayed near 0.2 through probe after probe, and was left plain. Its first trees now
+    count alike (their mean), then the moving average takes over."""
+    policy = BudgetPolicy(CostCurve({1: 1.0}))
+    estimate = policy.sequence()
+    root_only = worked_tree().prefix(0)
+    for g in (0.2, 0.8, 0.8):
+        policy.observe_round(estimate, root_only, {2: g}, [0])
+    assert estimate.gain[2] == pytest.approx(0.6)
+    for _ in range(20):
+        policy.observe_round(estimate, root_only, {2: 0.8}, [0])
+    assert estimate.gain[2] == pytest.approx(0.8, abs=0.01)

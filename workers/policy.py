@@ -25,18 +25,22 @@ The model (README, "How budget: auto chooses"):
 - E_s(n): the expected accepted tokens of sequence s's best-first tree of n nodes. DDTree grows
   the tree in order of the drafter's path probabilities p_i, so with a calibrated drafter the
   probability that the target's own path reaches depth d is the mass m_d(n) of the tree's first n
-  nodes at depth d. The drafter is not calibrated, and differently so per sequence (math vs
-  chat), so each sequence keeps a factor per depth, c_d = realized / predicted reaches of depth d
-  over its recent rounds (shrunk to the batch-wide factor while it has few), and
-      E_s(n) = b * sum_d min(1, c_d * m_d(n) + l_d(n))   (the sum made non-increasing in d: a
-  path reaches d only via d-1), where b is the realized / predicted ratio of the recent verified
-  trees of the same source (those were chosen because they were predicted to pay, so what
-  optimism the factors leave shows there): one b for trees with the drafter's nodes, one for
-  lookup chains verified alone. With lookup branches, m_d counts the drafter's nodes alone and
-  l_d the mass of the nodes on the lookup chain, whose scores are already calibrated from the
-  chain's measured acceptance (workers.lookup): c_d learns only from the drafter's nodes, so a
-  stretch of trees that are mostly (or only) a lookup chain does not teach it the chain's hit
-  rate.
+  nodes at depth d (the path takes at most one node per depth). The drafter is not calibrated,
+  and not alike at every p: on chat its nodes of p >= .5 were taken 0.64 times as often as p
+  said, those below .2 1.03-1.11 times; on math 0.81-0.87 at every p. So each sequence keeps a
+  factor per bin of p (`BINS`), c_b = (nodes of bin b the path took) / (their summed p) over its
+  recent rounds (shrunk to the batch-wide factor while it has few), node i counts c_b(i) p_i, and
+      E_s(n) = b * sum_d min(1, sum_{i at depth d} c_b(i) p_i + l_d(n))   (the sum made
+  non-increasing in d: a path reaches d only via d-1), where b is the realized / predicted ratio
+  of the recent verified trees of the same source (those were chosen because they were predicted
+  to pay, so what optimism the factors leave shows there): one b for trees with the drafter's
+  nodes, one for lookup chains verified alone. With lookup branches, the sum counts the
+  drafter's nodes alone and l_d is the mass of the nodes on the lookup chain, whose scores are
+  already calibrated from the chain's measured acceptance (workers.lookup): c_b learns only from
+  the drafter's nodes, so a stretch of trees that are mostly (or only) a lookup chain does not
+  teach it the chain's hit rate. (A factor per depth, before: learned on the policy's own trees,
+  mostly their p >= .5 nodes, it priced the siblings that a wider tree adds at the top nodes'
+  0.4-0.65, and on chat predicted 0.58 accepted tokens for budget 4's trees that took 0.77.)
 
 A step decides twice: before drafting, from each sequence's recent E_s, which sequences draft
 (`plan`); after drafting, from this step's exact E_s, which Q (`choose`). Q = 1 is plain decoding.
@@ -80,6 +84,9 @@ STALE = 24  # packed rows: nodes granted past the best rate seen before the poli
 ROW_DECAY = 0.95  # packed rows: per step with trees, the sums behind the row factor fade by this
 ROW_PRIOR_S = 0.05  # ... which starts at 1 as if this many seconds had been measured as calibrated
 PLAIN_SEEN = 3  # ... and learns only from batches whose plain step was seen this many times
+# the drafter's nodes are calibrated per bin of their path probability p: 0 for p >= .5, 1 for
+# .2 <= p < .5, 2 for .05 <= p < .2, 3 below
+BINS = (0.5, 0.2, 0.05)
 MIN_DRAFT_DEPTH = 4  # an auto sequence's draft asks for at least this many depths ...
 DEPTH_MARGIN = 2  # ... and this many past its last chosen tree's depth
 
@@ -126,70 +133,85 @@ class CostCurve:
 
 @dataclass
 class Acceptance:
-    """Realized against predicted reaches of each draft depth (module docstring: c_d)."""
+    """Realized against predicted hits of the drafter's nodes per probability bin (`node_bins`;
+    module docstring: c_b)."""
 
     decay: float
     prior: "Acceptance | None" = None
-    hits: list[float] = field(default_factory=list)  # [depth - 1] realized reaches, faded
-    mass: list[float] = field(default_factory=list)  # [depth - 1] predicted reaches, faded
+    hits: list[float] = field(default_factory=list)  # [bin] the path's nodes in it, faded
+    mass: list[float] = field(default_factory=list)  # [bin] its nodes' probabilities, faded
 
-    def factor(self, depth: int) -> float:
-        base = self.prior.factor(depth) if self.prior is not None else 1.0
-        i = depth - 1
-        hits = self.hits[i] if i < len(self.hits) else 0.0
-        mass = self.mass[i] if i < len(self.mass) else 0.0
+    def factor(self, bin_: int) -> float:
+        base = self.prior.factor(bin_) if self.prior is not None else 1.0
+        hits = self.hits[bin_] if bin_ < len(self.hits) else 0.0
+        mass = self.mass[bin_] if bin_ < len(self.mass) else 0.0
         return (hits + PRIOR_WEIGHT * base) / (mass + PRIOR_WEIGHT)
 
-    def factors(self, depths: int) -> torch.Tensor:
-        return torch.tensor([self.factor(d) for d in range(1, depths + 1)], dtype=torch.float64)
+    def factors(self) -> torch.Tensor:
+        """[len(BINS) + 1] the factor of every bin."""
+        return torch.tensor([self.factor(b) for b in range(len(BINS) + 1)], dtype=torch.float64)
 
-    def observe(self, reach: list[float], reached: list[bool]) -> None:
-        """One round: `reach[d - 1]` the predicted reach of depth d (before the factors), and
-        `reached[d - 1]` whether the target's path reached depth d through a node it counts."""
-        grow = len(reach) - len(self.hits)
+    def observe(self, mass: list[float], hits: list[float]) -> None:
+        """One round: per bin, `mass[b]` the summed probabilities of the tree's nodes it counts
+        (before the factors) and `hits[b]` how many of them the target's path took."""
+        grow = len(mass) - len(self.hits)
         if grow > 0:
             self.hits += [0.0] * grow
             self.mass += [0.0] * grow
         for i in range(len(self.hits)):
             self.hits[i] *= self.decay
             self.mass[i] *= self.decay
-        for i, m in enumerate(reach):
+        for i, m in enumerate(mass):
             self.mass[i] += m
-            self.hits[i] += 1.0 if i < len(reached) and reached[i] else 0.0
+            self.hits[i] += float(hits[i]) if i < len(hits) else 0.0
 
 
-def depth_mass(tree: Tree, budgets: list[int], counted: torch.Tensor | None = None) -> torch.Tensor:
+def node_bins(tree: Tree) -> torch.Tensor:
+    """[size] each node's bin of its path probability p: 0 for p >= BINS[0], ..., len(BINS) for
+    p below the last edge (the root: 0; it is never counted)."""
+    p = tree.scores.exp()
+    return (p[:, None] < torch.tensor(BINS, dtype=p.dtype)).sum(-1)
+
+
+def depth_mass(tree: Tree, budgets: list[int], counted: torch.Tensor | None = None,
+               weights: torch.Tensor | None = None) -> torch.Tensor:
     """[len(budgets), depth] the probability mass of the tree's first n nodes at each depth, for
     n in `budgets` (a best-first tree: `Tree.scores` set); only the nodes `counted` ([size]
-    bool) marks, when given."""
+    bool) marks, when given, each probability times its `weights` ([size]) when given."""
     depths = int(tree.depths.max()) if tree.size > 1 else 0
     if depths == 0:
         return torch.zeros(len(budgets), 1, dtype=torch.float64)
     p = tree.scores[1:].exp()
     if counted is not None:
         p = p * counted[1:]
+    if weights is not None:
+        p = p * weights[1:]
     onehot = torch.zeros(tree.size - 1, depths, dtype=torch.float64)
     onehot[torch.arange(tree.size - 1), tree.depths[1:] - 1] = p
     cumulative = torch.cat([torch.zeros(1, depths, dtype=torch.float64), onehot.cumsum(0)])
     return cumulative[torch.tensor([min(n, tree.size - 1) for n in budgets])]
 
 
-def source_masses(tree: Tree, budgets: list[int], chain: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`depth_mass` of the drafter's own nodes (what the factors c_d scale) and of the lookup
-    chain's (calibrated already; None without a chain: the drafter's tree is one mass, as
-    before lookup branches), each [len(budgets), depth]. `chain`: `tree.on_chain()`."""
+def source_masses(tree: Tree, budgets: list[int], chain: torch.Tensor | None,
+                  weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`depth_mass` of the drafter's own nodes (each probability times its `weights`: the
+    factors c_b of its bin) and of the lookup chain's (calibrated already; None without a
+    chain: the drafter's tree is one mass, as before lookup branches), each [len(budgets),
+    depth]. `chain`: `tree.on_chain()`."""
     if chain is None:
-        return depth_mass(tree, budgets), None
-    return depth_mass(tree, budgets, ~chain), depth_mass(tree, budgets, chain)
+        return depth_mass(tree, budgets, weights=weights), None
+    return depth_mass(tree, budgets, ~chain, weights), depth_mass(tree, budgets, chain)
 
 
-def expected_accepted(mass: torch.Tensor, factors: torch.Tensor, calibrated: torch.Tensor | None = None) -> torch.Tensor:
-    """[...] expected accepted tokens from [..., depth] masses and the factors per depth, plus
-    the [..., depth] masses that need no factor (a lookup chain's)."""
+def expected_accepted(mass: torch.Tensor, factors: torch.Tensor | None = None,
+                      calibrated: torch.Tensor | None = None) -> torch.Tensor:
+    """[...] expected accepted tokens from [..., depth] masses (times `factors` per depth, when
+    given), plus the [..., depth] masses that need no factor (a lookup chain's)."""
     depths = mass.shape[-1]
-    f = factors[:depths] if factors.shape[0] >= depths else torch.cat(
-        [factors, factors.new_ones(depths - factors.shape[0])])
-    reach = mass * f if calibrated is None else mass * f + calibrated
+    if factors is not None:
+        mass = mass * (factors[:depths] if factors.shape[0] >= depths else torch.cat(
+            [factors, factors.new_ones(depths - factors.shape[0])]))
+    reach = mass if calibrated is None else mass + calibrated
     reach = reach.clamp(max=1.0).cummin(dim=-1).values
     return reach.sum(-1)
 
@@ -204,6 +226,7 @@ class SequenceEstimate:
     idle: int = 0  # steps since it last drafted
     probe_after: int = FIRST_PROBE
     depth: int | None = None  # the depth of its last tree the policy chose (None until it drafted once)
+    drafted: int = 0  # its drafted trees so far
 
     def draft_depth(self, most: int) -> int:
         """The depths its next draft asks of the drafter: DEPTH_MARGIN past its last chosen
@@ -353,9 +376,9 @@ class BudgetPolicy:
     def curve(self, tree: Tree, estimate: SequenceEstimate, most: int) -> list[float]:
         """This step's expected accepted tokens of `tree`'s first n nodes, n = 0 ... min(its
         nodes, most)."""
-        drafted, chain = source_masses(tree, list(range(min(tree.size - 1, most) + 1)), tree.on_chain())
-        bias = self.bias(_has_drafted(tree))
-        return (expected_accepted(drafted, estimate.acceptance.factors(drafted.shape[-1]), chain) * bias).tolist()
+        drafted, chain = source_masses(tree, list(range(min(tree.size - 1, most) + 1)), tree.on_chain(),
+                                       estimate.acceptance.factors()[node_bins(tree)])
+        return (expected_accepted(drafted, None, chain) * self.bias(_has_drafted(tree))).tolist()
 
     def chain_curve(self, branch: Lookup, most: int) -> list[float]:
         """`curve` of the tree that is `branch`'s lookup chain alone, without growing it: the
@@ -442,27 +465,36 @@ class BudgetPolicy:
         first). Returns the round's predicted accepted tokens (what the acceptance model said
         before seeing it)."""
         if gains is not None:  # it drafted: its gains of this step's tree, whatever Q was chosen
-            old = estimate.gain or {}
-            estimate.gain = old | {q: old[q] + EMA * (g - old[q]) if q in old else g for q, g in gains.items()}
+            # the mean of its first drafted trees, then a moving average: seeded with its first
+            # tree alone (the first step of a reply, the hardest to draft), an EMA held chat
+            # sequences' gains at ~0.2 accepted tokens through probe after probe
+            old, estimate.drafted = estimate.gain or {}, estimate.drafted + 1
+            weight = max(EMA, 1 / estimate.drafted)
+            estimate.gain = old | {q: old[q] + weight * (g - old[q]) if q in old else g for q, g in gains.items()}
             hope = self.hope or {}
             self.hope = hope | {q: g if g >= hope.get(q, g) else hope[q] + HOPE_EASE * (g - hope[q])
                                 for q, g in estimate.gain.items()}
             self.best_seen |= {q: max(g, self.best_seen.get(q, g)) for q, g in estimate.gain.items()}
         if tree.size == 1:
             return 0.0
-        nodes = tree.on_chain()
-        drafted, chain = source_masses(tree, [tree.size - 1], nodes)
-        raw = float(expected_accepted(drafted[0], estimate.acceptance.factors(drafted.shape[1]),
-                                      None if chain is None else chain[0]))
+        nodes, bins = tree.on_chain(), node_bins(tree)
+        drafted, chain = source_masses(tree, [tree.size - 1], nodes, estimate.acceptance.factors()[bins])
+        raw = float(expected_accepted(drafted[0], None, None if chain is None else chain[0]))
         predicted = raw * self.bias(_has_drafted(tree))
         source = self._bias[_has_drafted(tree)]
         source[0] = BIAS_DECAY * source[0] + len(path) - 1
         source[1] = BIAS_DECAY * source[1] + raw
-        # the factors learn the drafter's own nodes: depths the path reached off the chain
-        off_chain = [True] * (len(path) - 1) if nodes is None else (~nodes[path[1:]]).tolist()
-        reach = drafted[0].tolist()
-        estimate.acceptance.observe(reach, off_chain)
-        self.batch.observe(reach, off_chain)
+        # the factors learn the drafter's own nodes (off the chain): per bin, their probabilities
+        # and how many the path took
+        own = torch.ones(tree.size, dtype=torch.bool) if nodes is None else ~nodes
+        own[0] = False
+        taken = torch.zeros(tree.size, dtype=torch.bool)
+        taken[torch.as_tensor(path, dtype=torch.long)] = True
+        mass = torch.zeros(len(BINS) + 1, dtype=torch.float64).index_add_(0, bins[own], tree.scores[own].exp())
+        hits = torch.zeros(len(BINS) + 1, dtype=torch.float64).index_add_(
+            0, bins[own & taken], torch.ones(int((own & taken).sum()), dtype=torch.float64))
+        estimate.acceptance.observe(mass.tolist(), hits.tolist())
+        self.batch.observe(mass.tolist(), hits.tolist())
         return predicted
 
     def observe_step(self, batch: int, q: int, verify_s: float, drafting: int, draft_s: float, other_s: float,
