@@ -13,7 +13,7 @@ auto's granted-budget distribution and predicted vs realized accepted tokens.
 
     python benchmarks/budget_policy.py [--concurrency 1,4,16,64] [--budgets 0,4,8,16,chain]
         [--per-file 4] [--max-tokens 64] [--requests-per-stream 2] [--min-requests 12]
-        [--max-requests 64] [--warm-up 12] [--lookup] [--json out.json]
+        [--max-requests 64] [--warm-up 12] [--lookup] [--files a.jsonl,b.jsonl] [--json out.json]
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ DATA = Path(__file__).parent / "data"
 FILES = ("gsm8k-test.jsonl", "humaneval.jsonl", "vicuna-bench.jsonl")
 
 
-def mixed_prompts(per_file: int) -> list[str]:
-    sets = [read_prompts(DATA / f, per_file) for f in FILES]
+def mixed_prompts(per_file: int, files: tuple[str, ...] = FILES) -> list[str]:
+    sets = [read_prompts(DATA / f, per_file) for f in files]
     return [p for group in zip(*sets) for p in group]
 
 
@@ -55,6 +55,9 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=False,
                         help="the engine's lookup-branch default, for auto and every fixed budget alike")
+    parser.add_argument("--files", default=",".join(FILES),
+                        help="the prompt files the tables run (interleaved; the warm-up takes all three): one file "
+                             "shows what `auto` does on one domain")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -66,8 +69,11 @@ def main() -> None:
     engine = Engine.from_config(config)
     print(f"engine ready in {time.perf_counter() - started:.1f} s; T(r) ms: "
           + ", ".join(f"{r}: {1000 * s:.0f}" for r, s in engine.scheduler.policy.verify.points.items()), flush=True)
-    prompts = [engine.render_chat([{"role": "user", "content": t}]) for t in mixed_prompts(args.per_file)]
-    load_bench.run_inprocess(engine, prompts, "auto", 4, args.warm_up, 32)  # warm-up: kernels, and the policy's first look
+    render = lambda texts: [engine.render_chat([{"role": "user", "content": t}]) for t in texts]  # noqa: E731
+    # warm-up: kernels, and the policy's first look
+    load_bench.run_inprocess(engine, render(mixed_prompts(args.per_file)), "auto", 4, args.warm_up, 32)
+    files = tuple(args.files.split(","))
+    prompts = render(mixed_prompts(args.per_file, files))
 
     tables = []
     for i, c in enumerate(levels):
@@ -85,7 +91,7 @@ def main() -> None:
         print(table(c, requests, [rows[b] for b in budgets]), flush=True)
 
     print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {engine.config.dtype}, "
-          f"weights {engine.config.weights}; {len(prompts)} prompts (gsm8k-test / humaneval / vicuna-bench "
+          f"weights {engine.config.weights}; {len(prompts)} prompts ({' / '.join(files)} "
           f"interleaved), {args.max_tokens} new tokens, greedy")
     for c, requests, rows in tables:
         print(table(c, requests, rows))
