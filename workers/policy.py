@@ -232,7 +232,7 @@ class SequenceEstimate:
         """The depths its next draft asks of the drafter: DEPTH_MARGIN past its last chosen
         tree's, at least MIN_DRAFT_DEPTH, at most `most` (all of them until it drafted once). The
         drafter's head runs once per depth (over 26k draft-vocabulary rows for SmolLM2's), and
-        the trees chosen at one stream reach depth 3-6 of the 16 drafted: the rest was work no
+        the trees chosen at one stream reach depth 3-6 of the 15 drafted: the rest was work no
         tree used. The margin lets the trees deepen step by step when acceptance rises."""
         if self.depth is None:
             return most
@@ -286,7 +286,7 @@ class BudgetPolicy:
         self.best_seen: dict[int, float] = {}
         # realized / predicted accepted tokens of the recent verified trees (faded sums), per
         # source (`drafted`: trees with the drafter's nodes; else a lookup chain alone): the
-        # trees verified are those predicted to pay, so what the per-depth factors leave of
+        # trees verified are those predicted to pay, so what the factors c_b leave of
         # optimism shows here, and every gain of that source is scaled by it
         self._bias: dict[bool, list[float]] = {True: [0.0, 0.0], False: [0.0, 0.0]}  # drafted -> [hits, mass]
 
