@@ -50,13 +50,13 @@ def test_expected_accepted_tokens_of_the_worked_tree():
     expected = torch.tensor([[0, 0], [0.6, 0], [0.6, 0.48], [0.9, 0.48], [0.9, 0.48]], dtype=torch.float64)
     torch.testing.assert_close(mass, expected)
     # a calibrated drafter: reach depth 1 with the depth-1 mass, depth 2 with the depth-2 mass
-    assert expected_accepted(mass, torch.ones(2, dtype=torch.float64)).tolist() == pytest.approx(
+    assert expected_accepted(mass).tolist() == pytest.approx(
         [0, 0.6, 1.08, 1.38, 1.38])
     # the drafter is right half as often as it believes at depth 1: depth 2 cannot be reached
     # more often than depth 1 (.45), so 3 nodes expect .45 + .45
-    assert float(expected_accepted(mass[3], torch.tensor([0.5, 1.0], dtype=torch.float64))) == pytest.approx(0.9)
+    assert float(expected_accepted(mass[3] * torch.tensor([0.5, 1.0], dtype=torch.float64))) == pytest.approx(0.9)
     # a factor never pushes a reach past certainty
-    assert float(expected_accepted(mass[1], torch.tensor([3.0, 1.0], dtype=torch.float64))) == pytest.approx(1.0)
+    assert float(expected_accepted(mass[1] * torch.tensor([3.0, 1.0], dtype=torch.float64))) == pytest.approx(1.0)
 
 
 def test_acceptance_factor_is_realized_over_predicted_hits():
@@ -89,7 +89,7 @@ def test_a_lookup_chain_is_counted_apart_from_the_drafters_nodes():
     # a drafter right half as often as it believes: depth 1 reaches .5 x .6 + .9 -> 1 (capped),
     # depth 2 .5 x .72
     half = torch.tensor([0.5, 0.5], dtype=torch.float64)
-    assert float(expected_accepted(drafted[1], half, chain[1])) == pytest.approx(1 + 0.36)
+    assert float(expected_accepted(drafted[1] * half, chain[1])) == pytest.approx(1 + 0.36)
 
     policy = BudgetPolicy(CostCurve({1: 1.0}))
     estimate = policy.sequence()
@@ -386,8 +386,7 @@ def test_lookup_chains_alone_do_not_correct_the_drafters_gains():
     assert policy.bias(drafted=True) == 1.0
     drafted = worked_tree()
     curve = policy.curve(drafted, policy.sequence(), 16)
-    assert curve[-1] == pytest.approx(float(expected_accepted(depth_mass(drafted, [drafted.size - 1])[0],
-                                                              torch.ones(3, dtype=torch.float64))))
+    assert curve[-1] == pytest.approx(float(expected_accepted(depth_mass(drafted, [drafted.size - 1])[0])))
     # and the drafted trees' own record moves their correction alone
     chains = policy.bias(drafted=False)
     for _ in range(20):

@@ -203,14 +203,9 @@ def source_masses(tree: Tree, budgets: list[int], chain: torch.Tensor | None,
     return depth_mass(tree, budgets, ~chain, weights), depth_mass(tree, budgets, chain)
 
 
-def expected_accepted(mass: torch.Tensor, factors: torch.Tensor | None = None,
-                      calibrated: torch.Tensor | None = None) -> torch.Tensor:
-    """[...] expected accepted tokens from [..., depth] masses (times `factors` per depth, when
-    given), plus the [..., depth] masses that need no factor (a lookup chain's)."""
-    depths = mass.shape[-1]
-    if factors is not None:
-        mass = mass * (factors[:depths] if factors.shape[0] >= depths else torch.cat(
-            [factors, factors.new_ones(depths - factors.shape[0])]))
+def expected_accepted(mass: torch.Tensor, calibrated: torch.Tensor | None = None) -> torch.Tensor:
+    """[...] expected accepted tokens from [..., depth] masses (the drafter's, its factors c_b
+    applied: `source_masses`' weights), plus the [..., depth] masses of a lookup chain's."""
     reach = mass if calibrated is None else mass + calibrated
     reach = reach.clamp(max=1.0).cummin(dim=-1).values
     return reach.sum(-1)
@@ -378,7 +373,7 @@ class BudgetPolicy:
         nodes, most)."""
         drafted, chain = source_masses(tree, list(range(min(tree.size - 1, most) + 1)), tree.on_chain(),
                                        estimate.acceptance.factors()[node_bins(tree)])
-        return (expected_accepted(drafted, None, chain) * self.bias(_has_drafted(tree))).tolist()
+        return (expected_accepted(drafted, chain) * self.bias(_has_drafted(tree))).tolist()
 
     def chain_curve(self, branch: Lookup, most: int) -> list[float]:
         """`curve` of the tree that is `branch`'s lookup chain alone, without growing it: the
@@ -479,9 +474,10 @@ class BudgetPolicy:
             return 0.0
         nodes, bins = tree.on_chain(), node_bins(tree)
         drafted, chain = source_masses(tree, [tree.size - 1], nodes, estimate.acceptance.factors()[bins])
-        raw = float(expected_accepted(drafted[0], None, None if chain is None else chain[0]))
-        predicted = raw * self.bias(_has_drafted(tree))
-        source = self._bias[_has_drafted(tree)]
+        raw = float(expected_accepted(drafted[0], None if chain is None else chain[0]))
+        has_drafted = _has_drafted(tree)
+        predicted = raw * self.bias(has_drafted)
+        source = self._bias[has_drafted]
         source[0] = BIAS_DECAY * source[0] + len(path) - 1
         source[1] = BIAS_DECAY * source[1] + raw
         # the factors learn the drafter's own nodes (off the chain): per bin, their probabilities
@@ -490,11 +486,10 @@ class BudgetPolicy:
         own[0] = False
         taken = torch.zeros(tree.size, dtype=torch.bool)
         taken[torch.as_tensor(path, dtype=torch.long)] = True
-        mass = torch.zeros(len(BINS) + 1, dtype=torch.float64).index_add_(0, bins[own], tree.scores[own].exp())
-        hits = torch.zeros(len(BINS) + 1, dtype=torch.float64).index_add_(
-            0, bins[own & taken], torch.ones(int((own & taken).sum()), dtype=torch.float64))
-        estimate.acceptance.observe(mass.tolist(), hits.tolist())
-        self.batch.observe(mass.tolist(), hits.tolist())
+        mass = torch.bincount(bins[own], weights=tree.scores[own].exp(), minlength=len(BINS) + 1).tolist()
+        hits = torch.bincount(bins[own & taken], minlength=len(BINS) + 1).tolist()
+        estimate.acceptance.observe(mass, hits)
+        self.batch.observe(mass, hits)
         return predicted
 
     def observe_step(self, batch: int, q: int, verify_s: float, drafting: int, draft_s: float, other_s: float,
