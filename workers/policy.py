@@ -15,8 +15,9 @@ The model (README, "How budget: auto chooses"):
   N = sum_s n_s, T1 the start-up curve as measured (`shape`: the GEMMs' register tiles make the
   first rows past a multiple of 4 nearly free), k(B) = measured / T1's extra seconds of the
   recent steps with trees in batches of about B (`row_factor`, one per power-of-two band of B:
-  a node of a 16-sequence batch costs more than T1 says, one of a lone sequence less); nodes are
-  granted highest marginal gain first.
+  a node of a 16-sequence batch costs more than T1 says, one of a lone sequence less), and within
+  a band one per power-of-two group of N (the live steps' shape is not T1's); nodes are granted
+  highest marginal gain first.
 - T(r): seconds of one target forward over r rows in all (`CostCurve`), calibrated over row
   counts at start-up (ddtree.calibrate) and refreshed from every step's own timing.
 - D(n): the drafter's pass over n sequences and growing their trees; O(B): the rest of a step
@@ -30,11 +31,14 @@ The model (README, "How budget: auto chooses"):
   said, those below .2 1.03-1.11 times; on math 0.81-0.87 at every p. So each sequence keeps a
   factor per bin of p (`BINS`), c_b = (nodes of bin b the path took) / (their summed p) over its
   recent rounds (shrunk to the batch-wide factor while it has few), node i counts c_b(i) p_i, and
-      E_s(n) = b * sum_d min(1, sum_{i at depth d} c_b(i) p_i + l_d(n))   (the sum made
-  non-increasing in d: a path reaches d only via d-1), where b is the realized / predicted ratio
-  of the recent verified trees of the same source (those were chosen because they were predicted
-  to pay, so what optimism the factors leave shows there): one b for trees with the drafter's
-  nodes, one for lookup chains verified alone. With lookup branches, the sum counts the
+      R_s(n) = sum_d min(1, sum_{i at depth d} c_b(i) p_i + l_d(n))   (the sum made
+  non-increasing in d: a path reaches d only via d-1),
+      E_s(n) = sum_{k <= n} b_g(k) (R_s(k) - R_s(k - 1)),
+  where b_g is the realized / predicted ratio of the recent verified trees of the same source
+  (those were chosen because they were predicted to pay, so what optimism the factors leave
+  shows there) at the ranks of group g (1, 2-3, 4-7, ...: how often the path took the nodes of
+  those ranks over their marginal gains, starting from the source's whole ratio): one set for
+  trees with the drafter's nodes, one for lookup chains verified alone. With lookup branches, the sum counts the
   drafter's nodes alone and l_d is the mass of the nodes on the lookup chain, whose scores are
   already calibrated from the chain's measured acceptance (workers.lookup): c_b learns only from
   the drafter's nodes, so a stretch of trees that are mostly (or only) a lookup chain does not
@@ -58,6 +62,7 @@ The policy only chooses tree shapes, never tokens: output is the target's own at
 
 from __future__ import annotations
 
+import collections
 import heapq
 import math
 import statistics
@@ -83,10 +88,12 @@ CALIBRATION_CONTEXT = 64  # committed tokens before the rows `measure_step_cost`
 STALE = 24  # packed rows: nodes granted past the best rate seen before the policy stops looking
 ROW_DECAY = 0.95  # packed rows: per step with trees, the sums behind the row factor fade by this
 ROW_PRIOR_S = 0.05  # ... which starts at 1 as if this many seconds had been measured as calibrated
+SIZE_ROW_PRIOR_S = 0.01  # ... and per tree size, at the band's factor as if this many had (a few nodes add ~5 ms)
 PLAIN_SEEN = 3  # ... and learns only from batches whose plain step was seen this many times
 # the drafter's nodes are calibrated per bin of their path probability p: 0 for p >= .5, 1 for
 # .2 <= p < .5, 2 for .05 <= p < .2, 3 below
 BINS = (0.5, 0.2, 0.05)
+SIZE_PRIOR = 2.0  # a rank group's (a tree size's) correction starts from its source's (band's) as if this much was measured
 MIN_DRAFT_DEPTH = 4  # an auto sequence's draft asks for at least this many depths ...
 DEPTH_MARGIN = 2  # ... and this many past its last chosen tree's depth
 
@@ -263,7 +270,8 @@ class BudgetPolicy:
         # and their shape's extra seconds, from batches whose plain step was seen PLAIN_SEEN
         # times (others' T(B) is still the guess)
         self.calibrate(step_cost or CostCurve())  # verify, shape
-        self._extra: dict[int, list[float]] = {}  # band -> [measured, shape's] extra seconds
+        # band, and (band, tree size `_size`) -> [measured, shape's] extra seconds
+        self._extra: dict[int | tuple[int, int], list[float]] = {}
         self._plain_seen: dict[int, int] = {}
         self.draft = CostCurve()
         # the drafter's first pass in a process runs cold (it builds its draft-vocabulary head,
@@ -283,7 +291,8 @@ class BudgetPolicy:
         # source (`drafted`: trees with the drafter's nodes; else a lookup chain alone): the
         # trees verified are those predicted to pay, so what the factors c_b leave of
         # optimism shows here, and every gain of that source is scaled by it
-        self._bias: dict[bool, list[float]] = {True: [0.0, 0.0], False: [0.0, 0.0]}  # drafted -> [hits, mass]
+        # drafted -> [hits, mass]; and per tree size (`_size`): (drafted, size) -> [hits, mass]
+        self._bias: dict[bool | tuple[bool, int], list[float]] = {True: [0.0, 0.0], False: [0.0, 0.0]}
 
     def calibrate(self, step_cost: CostCurve) -> None:
         """T(r) as measured at start-up: the live curve starts from it, and the packed rows'
@@ -307,20 +316,28 @@ class BudgetPolicy:
     def node_rows_s(self, batch: int, nodes: int) -> float:
         """Packed: what `nodes` rows add to a plain step of `batch` sequences: the calibrated
         curve's T(B + nodes) - T(B), times the learned `row_factor`."""
-        return self.row_factor(batch) * self._shape_extra(batch, nodes) if nodes else 0.0
+        return self.row_factor(batch, nodes) * self._shape_extra(batch, nodes) if nodes else 0.0
 
     def _shape_extra(self, batch: int, nodes: int, base: float | None = None) -> float:
         """T1(B + nodes) - T1(B) of the calibrated shape; `base`: T1(B) when already known."""
         base = self.shape.predict(batch) if base is None else base
         return max(self.shape.predict(batch + nodes) - base, 0.0)
 
-    def row_factor(self, batch: int) -> float:
+    def row_factor(self, batch: int, nodes: int | None = None) -> float:
         """Measured over calibrated extra seconds of the recent steps with trees in batches of
-        `batch`'s band (1 at first). One factor for every batch once priced a 4-sequence
-        batch's nodes at what one sequence's had taught (0.47: its first rows ride the GEMM's
-        register tiles), and auto granted 10-22-node trees at 4 streams that lost 13% to budget 4."""
+        `batch`'s band (1 at first); with `nodes`, of those whose trees held about that many
+        nodes in all (`_size`; the band's factor at first). One factor for every batch once
+        priced a 4-sequence batch's nodes at what one sequence's had taught (0.47: its first
+        rows ride the GEMM's register tiles), and auto granted 10-22-node trees at 4 streams
+        that lost 13% to budget 4. One factor for every tree size, at one stream, priced 1-3
+        nodes 7 ms dearer than they ran and 16 or more 9 ms cheaper: the calibrated curve's
+        shape is not the live steps'."""
         measured, shape = self._extra.get(_band(batch), (0.0, 0.0))
-        return (measured + ROW_PRIOR_S) / (shape + ROW_PRIOR_S)
+        factor = (measured + ROW_PRIOR_S) / (shape + ROW_PRIOR_S)
+        if nodes is None:
+            return factor
+        measured, shape = self._extra.get((_band(batch), _size(nodes)), (0.0, 0.0))
+        return (measured + SIZE_ROW_PRIOR_S * factor) / (shape + SIZE_ROW_PRIOR_S)
 
     def _time(self, batch: int, q: int, drafting: int, fixed_nodes: int = 0) -> float:
         """A step in which `drafting` auto sequences fill Q - 1 nodes each."""
@@ -373,28 +390,46 @@ class BudgetPolicy:
         nodes, most)."""
         drafted, chain = source_masses(tree, list(range(min(tree.size - 1, most) + 1)), tree.on_chain(),
                                        estimate.acceptance.factors()[node_bins(tree)])
-        return (expected_accepted(drafted, chain) * self.bias(_has_drafted(tree))).tolist()
+        return self._corrected(expected_accepted(drafted, chain).tolist(), _has_drafted(tree))
 
     def chain_curve(self, branch: Lookup, most: int) -> list[float]:
         """`curve` of the tree that is `branch`'s lookup chain alone, without growing it: the
         node at depth d reached with the product of the chain's first d probabilities
         (calibrated already: no factors)."""
-        reach, expected, upto, bias = 0.0, 0.0, [0.0], self.bias(drafted=False)
+        reach, expected, upto = 0.0, 0.0, [0.0]
         for logprob in branch.logprobs[:most]:
             reach += logprob
             expected += min(1.0, math.exp(reach))
-            upto.append(expected * bias)
-        return upto
+            upto.append(expected)
+        return self._corrected(upto, drafted=False)
 
-    def bias(self, drafted: bool = True) -> float:
+    def _corrected(self, raw: list[float], drafted: bool) -> list[float]:
+        """A gain curve (n = 0, 1, ...) with each node's marginal gain times the correction of
+        its source at its rank (`bias`)."""
+        out, corrections = [raw[0]], {}
+        for n in range(1, len(raw)):
+            if _size(n) not in corrections:
+                corrections[_size(n)] = self.bias(drafted, n)
+            out.append(out[-1] + (raw[n] - raw[n - 1]) * corrections[_size(n)])
+        return out
+
+    def bias(self, drafted: bool = True, rank: int | None = None) -> float:
         """Realized over predicted accepted tokens of the recent verified trees of one source
-        (1 at first): trees with the drafter's nodes, or lookup chains alone. One ratio for both
-        let chat's lookup chains, taken alone at 0.16 accepted tokens where 0.28 were predicted,
-        pull every drafted tree's gains down with them: on vicuna-bench at one stream it fell to
-        0.60, auto left 572 of ~900 steps plain and ran 0.89x budget 4, which drafted every step
-        at tau 1.78."""
+        (1 at first): trees with the drafter's nodes, or lookup chains alone; with `rank`, of
+        their nodes of about that rank in the best-first order (`_size`; the source's ratio at
+        first): how often the path took them over their marginal gains. One ratio for both
+        sources let chat's lookup chains, taken alone at 0.16 accepted tokens where 0.28 were
+        predicted, pull every drafted tree's gains down with them: on vicuna-bench at one
+        stream it fell to 0.60, auto left 572 of ~900 steps plain and ran 0.89x budget 4, which
+        drafted every step at tau 1.78. One ratio for every rank, at one stream on gsm8k-test,
+        left 10-15-node trees predicted at 2.14-2.28 accepted tokens that took 1.62-1.83 (fewer
+        than the 4-9-node trees took: 2.03-2.14), and auto granted them."""
         hits, mass = self._bias[drafted]
-        return (hits + 1.0) / (mass + 1.0)
+        ratio = (hits + 1.0) / (mass + 1.0)
+        if rank is None:
+            return ratio
+        hits, mass = self._bias.get((drafted, _size(rank)), (0.0, 0.0))
+        return (hits + SIZE_PRIOR * ratio) / (mass + SIZE_PRIOR)
 
     def choose(self, batch: int, buckets: list[int], curves: list[list[float]], draft_s: float,
                fixed_nodes: int = 0) -> Decision:
@@ -424,11 +459,13 @@ class BudgetPolicy:
         # what does not change with the nodes, once per step: T(B), the shape's T1(B), the factor
         plain = self.verify.predict(batch) + draft_s
         others = self.other.predict(batch), self._other(2).predict(batch)
-        base, factor = self.shape.predict(batch), self.row_factor(batch)
+        base, factors = self.shape.predict(batch), {}
 
         def seconds(nodes: int) -> float:
             total = fixed_nodes + nodes
-            rows = factor * self._shape_extra(batch, total, base) if total else 0.0
+            if total and _size(total) not in factors:
+                factors[_size(total)] = self.row_factor(batch, total)
+            rows = factors[_size(total)] * self._shape_extra(batch, total, base) if total else 0.0
             return plain + rows + others[1 if total else 0]
 
         nodes = [0] * len(curves)
@@ -473,13 +510,22 @@ class BudgetPolicy:
         if tree.size == 1:
             return 0.0
         nodes, bins = tree.on_chain(), node_bins(tree)
-        drafted, chain = source_masses(tree, [tree.size - 1], nodes, estimate.acceptance.factors()[bins])
-        raw = float(expected_accepted(drafted[0], None if chain is None else chain[0]))
+        drafted, chain = source_masses(tree, list(range(tree.size)), nodes, estimate.acceptance.factors()[bins])
+        raw = expected_accepted(drafted, chain).tolist()  # [n] the first n nodes' expected accepted tokens
         has_drafted = _has_drafted(tree)
-        predicted = raw * self.bias(has_drafted)
-        source = self._bias[has_drafted]
-        source[0] = BIAS_DECAY * source[0] + len(path) - 1
-        source[1] = BIAS_DECAY * source[1] + raw
+        predicted = self._corrected(raw, has_drafted)[-1]
+        sums = self._bias[has_drafted]
+        sums[0] = BIAS_DECAY * sums[0] + len(path) - 1
+        sums[1] = BIAS_DECAY * sums[1] + raw[-1]
+        # per rank group: how many of its nodes the path took, over their marginal gains
+        ranks = collections.Counter(_size(i) for i in path[1:])
+        marginal = collections.defaultdict(float)
+        for n in range(1, tree.size):
+            marginal[_size(n)] += raw[n] - raw[n - 1]
+        for group in marginal.keys() | ranks.keys():
+            sums = self._bias.setdefault((has_drafted, group), [0.0, 0.0])
+            sums[0] = BIAS_DECAY * sums[0] + ranks[group]
+            sums[1] = BIAS_DECAY * sums[1] + marginal[group]
         # the factors learn the drafter's own nodes (off the chain): per bin, their probabilities
         # and how many the path took
         own = torch.ones(tree.size, dtype=torch.bool) if nodes is None else ~nodes
@@ -505,9 +551,11 @@ class BudgetPolicy:
                 self.verify.observe(batch, verify_s)
                 self._plain_seen[batch] = self._plain_seen.get(batch, 0) + 1
             elif self._plain_seen.get(batch, 0) >= PLAIN_SEEN:  # what the nodes' rows added to a plain step
-                sums = self._extra.setdefault(_band(batch), [0.0, 0.0])
-                sums[0] = ROW_DECAY * sums[0] + verify_s - self.verify.predict(batch)
-                sums[1] = ROW_DECAY * sums[1] + self._shape_extra(batch, nodes)
+                extra, shape = verify_s - self.verify.predict(batch), self._shape_extra(batch, nodes)
+                for key in (_band(batch), (_band(batch), _size(nodes))):
+                    sums = self._extra.setdefault(key, [0.0, 0.0])
+                    sums[0] = ROW_DECAY * sums[0] + extra
+                    sums[1] = ROW_DECAY * sums[1] + shape
         if drafting and draft_s > 0:
             if self._cold_draft:
                 self._cold_draft = False
@@ -521,6 +569,11 @@ def _has_drafted(tree: Tree) -> bool:
     """Whether `tree` holds any node the drafter proposed (a tree without `sources` is the
     drafter's alone)."""
     return tree.size > 1 and (tree.sources is None or bool((tree.sources[1:] & DRAFTER).any()))
+
+
+def _size(nodes: int) -> int:
+    """The tree sizes (drafted nodes) that share a correction: 1, 2-3, 4-7, 8-15, 16-31, 32+."""
+    return min(nodes.bit_length(), 6)
 
 
 def _band(batch: int) -> int:
