@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from budget_policy import mixed_prompts  # noqa: E402
+from budget_policy import FILES, mixed_prompts  # noqa: E402
 
 from ddtree import load_bench  # noqa: E402
 from ddtree.config import ModelPairConfig, parse_budget  # noqa: E402
@@ -40,10 +40,11 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,64")
     parser.add_argument("--budgets", default="auto,0", help="auto's groups are printed; the others for their tokens/s")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--files", default=",".join(FILES), help="the prompt files (benchmarks/data), mixed")
     args = parser.parse_args()
     engine = Engine.from_config(ModelPairConfig(budget="auto", max_num_seqs=64, lookup=True))
     policy = engine.scheduler.policy
-    prompts = [engine.render_chat([{"role": "user", "content": t}]) for t in mixed_prompts(4)]
+    prompts = [engine.render_chat([{"role": "user", "content": t}]) for t in mixed_prompts(4, tuple(args.files.split(",")))]
     load_bench.run_inprocess(engine, prompts, "auto", 4, 12, 32)
 
     step: dict = {}  # what the policy predicted for the step under way
@@ -85,8 +86,6 @@ def main() -> None:
             r = load_bench.run_inprocess(engine, prompts, budget, c, max(12, 4 * c) if c < 16 else 2 * c, args.max_tokens)
             print(f"streams {c} budget {budget}: {r.tokens_per_s:.1f} tok/s, tau {r.tau or 0:.2f}, "
                   f"accepted predicted / realized {r.predicted:.0f} / {r.accepted}", flush=True)
-            if budget != "auto":
-                continue
             print(f"  row factors (B = 1 / 4 / 16) {policy.row_factor(1):.2f} / {policy.row_factor(4):.2f} / "
                   f"{policy.row_factor(16):.2f}, bias drafted / lookup alone {policy.bias():.2f} / "
                   f"{policy.bias(drafted=False):.2f}, D(1) {policy.draft.predict(1) * 1e3:.1f} ms")
