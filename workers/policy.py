@@ -38,13 +38,14 @@ The model (README, "How budget: auto chooses"):
   (those were chosen because they were predicted to pay, so what optimism the factors leave
   shows there) at the ranks of group g (1, 2-3, 4-7, ...: how often the path took the nodes of
   those ranks over their marginal gains, starting from the source's whole ratio): one set for
-  trees with the drafter's nodes, one for lookup chains verified alone. With lookup branches, the sum counts the
-  drafter's nodes alone and l_d is the mass of the nodes on the lookup chain, whose scores are
-  already calibrated from the chain's measured acceptance (workers.lookup): c_b learns only from
-  the drafter's nodes, so a stretch of trees that are mostly (or only) a lookup chain does not
-  teach it the chain's hit rate. (A factor per depth, before: learned on the policy's own trees,
-  mostly their p >= .5 nodes, it priced the siblings that a wider tree adds at the top nodes'
-  0.4-0.65, and on chat predicted 0.58 accepted tokens for budget 4's trees that took 0.77.)
+  trees with the drafter's nodes, one for lookup chains verified alone. With lookup branches,
+  the sum counts the drafter's nodes alone and l_d is the mass of the nodes on the lookup chain,
+  whose scores are already calibrated from the chain's measured acceptance (workers.lookup): c_b
+  learns only from the drafter's nodes, so a stretch of trees that are mostly (or only) a lookup
+  chain does not teach it the chain's hit rate. (A factor per depth, before: learned on the
+  policy's own trees, mostly their p >= .5 nodes, it priced the siblings that a wider tree adds
+  at the top nodes' 0.4-0.65, and on chat predicted 0.58 accepted tokens for budget 4's trees
+  that took 0.77.)
 
 A step decides twice: before drafting, from each sequence's recent E_s, which sequences draft
 (`plan`); after drafting, from this step's exact E_s, which Q (`choose`). Q = 1 is plain decoding.
@@ -88,12 +89,12 @@ CALIBRATION_CONTEXT = 64  # committed tokens before the rows `measure_step_cost`
 STALE = 24  # packed rows: nodes granted past the best rate seen before the policy stops looking
 ROW_DECAY = 0.95  # packed rows: per step with trees, the sums behind the row factor fade by this
 ROW_PRIOR_S = 0.05  # ... which starts at 1 as if this many seconds had been measured as calibrated
-SIZE_ROW_PRIOR_S = 0.01  # ... and per tree size, at the band's factor as if this many had (a few nodes add ~5 ms)
+SIZE_ROW_PRIOR_S = 0.01  # ... and one per step size, at the band's factor as if this many had (a few nodes: ~5 ms)
 PLAIN_SEEN = 3  # ... and learns only from batches whose plain step was seen this many times
 # the drafter's nodes are calibrated per bin of their path probability p: 0 for p >= .5, 1 for
 # .2 <= p < .5, 2 for .05 <= p < .2, 3 below
 BINS = (0.5, 0.2, 0.05)
-SIZE_PRIOR = 2.0  # a rank group's (a tree size's) correction starts from its source's (band's) as if this much was measured
+SIZE_PRIOR = 2.0  # a rank group's correction starts from its source's as if this many tokens were predicted
 MIN_DRAFT_DEPTH = 4  # an auto sequence's draft asks for at least this many depths ...
 DEPTH_MARGIN = 2  # ... and this many past its last chosen tree's depth
 
@@ -291,7 +292,7 @@ class BudgetPolicy:
         # source (`drafted`: trees with the drafter's nodes; else a lookup chain alone): the
         # trees verified are those predicted to pay, so what the factors c_b leave of
         # optimism shows here, and every gain of that source is scaled by it
-        # drafted -> [hits, mass]; and per tree size (`_size`): (drafted, size) -> [hits, mass]
+        # drafted -> [hits, mass]; and per group of ranks (`_size`): (drafted, group) -> [hits, mass]
         self._bias: dict[bool | tuple[bool, int], list[float]] = {True: [0.0, 0.0], False: [0.0, 0.0]}
 
     def calibrate(self, step_cost: CostCurve) -> None:
@@ -572,7 +573,8 @@ def _has_drafted(tree: Tree) -> bool:
 
 
 def _size(nodes: int) -> int:
-    """The tree sizes (drafted nodes) that share a correction: 1, 2-3, 4-7, 8-15, 16-31, 32+."""
+    """The counts (a step's nodes, a node's rank in its tree) that share a correction: 1, 2-3,
+    4-7, 8-15, 16-31, 32+."""
     return min(nodes.bit_length(), 6)
 
 
