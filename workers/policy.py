@@ -153,7 +153,7 @@ class Acceptance:
         base = self.prior.factor(bin_) if self.prior is not None else 1.0
         hits = self.hits[bin_] if bin_ < len(self.hits) else 0.0
         mass = self.mass[bin_] if bin_ < len(self.mass) else 0.0
-        return (hits + PRIOR_WEIGHT * base) / (mass + PRIOR_WEIGHT)
+        return _shrunk((hits, mass), base, PRIOR_WEIGHT)
 
     def factors(self) -> torch.Tensor:
         """[len(BINS) + 1] the factor of every bin."""
@@ -333,12 +333,10 @@ class BudgetPolicy:
         that lost 13% to budget 4. One factor for every tree size, at one stream, priced 1-3
         nodes 7 ms dearer than they ran and 16 or more 9 ms cheaper: the calibrated curve's
         shape is not the live steps'."""
-        measured, shape = self._extra.get(_band(batch), (0.0, 0.0))
-        factor = (measured + ROW_PRIOR_S) / (shape + ROW_PRIOR_S)
+        factor = _shrunk(self._extra.get(_band(batch), (0.0, 0.0)), 1.0, ROW_PRIOR_S)
         if nodes is None:
             return factor
-        measured, shape = self._extra.get((_band(batch), _size(nodes)), (0.0, 0.0))
-        return (measured + SIZE_ROW_PRIOR_S * factor) / (shape + SIZE_ROW_PRIOR_S)
+        return _shrunk(self._extra.get((_band(batch), _size(nodes)), (0.0, 0.0)), factor, SIZE_ROW_PRIOR_S)
 
     def _time(self, batch: int, q: int, drafting: int, fixed_nodes: int = 0) -> float:
         """A step in which `drafting` auto sequences fill Q - 1 nodes each."""
@@ -425,12 +423,10 @@ class BudgetPolicy:
         drafted every step at tau 1.78. One ratio for every rank, at one stream on gsm8k-test,
         left 10-15-node trees predicted at 2.14-2.28 accepted tokens that took 1.62-1.83 (fewer
         than the 4-9-node trees took: 2.03-2.14), and auto granted them."""
-        hits, mass = self._bias[drafted]
-        ratio = (hits + 1.0) / (mass + 1.0)
+        ratio = _shrunk(self._bias[drafted], 1.0, 1.0)
         if rank is None:
             return ratio
-        hits, mass = self._bias.get((drafted, _size(rank)), (0.0, 0.0))
-        return (hits + SIZE_PRIOR * ratio) / (mass + SIZE_PRIOR)
+        return _shrunk(self._bias.get((drafted, _size(rank)), (0.0, 0.0)), ratio, SIZE_PRIOR)
 
     def choose(self, batch: int, buckets: list[int], curves: list[list[float]], draft_s: float,
                fixed_nodes: int = 0) -> Decision:
@@ -457,7 +453,8 @@ class BudgetPolicy:
         marginal gains fall, mostly), keeping the count of the best rate seen; it stops once
         STALE more nodes have not beaten it."""
         most = buckets[-1] - 1
-        # what does not change with the nodes, once per step: T(B), the shape's T1(B), the factor
+        # what does not change with the nodes, once per step: T(B), the shape's T1(B); the row
+        # factor per group of node counts, as the count reaches it
         plain = self.verify.predict(batch) + draft_s
         others = self.other.predict(batch), self._other(2).predict(batch)
         base, factors = self.shape.predict(batch), {}
@@ -515,18 +512,15 @@ class BudgetPolicy:
         raw = expected_accepted(drafted, chain).tolist()  # [n] the first n nodes' expected accepted tokens
         has_drafted = _has_drafted(tree)
         predicted = self._corrected(raw, has_drafted)[-1]
-        sums = self._bias[has_drafted]
-        sums[0] = BIAS_DECAY * sums[0] + len(path) - 1
-        sums[1] = BIAS_DECAY * sums[1] + raw[-1]
+        _fade_in(self._bias[has_drafted], BIAS_DECAY, len(path) - 1, raw[-1])
         # per rank group: how many of its nodes the path took, over their marginal gains
         ranks = collections.Counter(_size(i) for i in path[1:])
         marginal = collections.defaultdict(float)
         for n in range(1, tree.size):
             marginal[_size(n)] += raw[n] - raw[n - 1]
         for group in marginal.keys() | ranks.keys():
-            sums = self._bias.setdefault((has_drafted, group), [0.0, 0.0])
-            sums[0] = BIAS_DECAY * sums[0] + ranks[group]
-            sums[1] = BIAS_DECAY * sums[1] + marginal[group]
+            _fade_in(self._bias.setdefault((has_drafted, group), [0.0, 0.0]), BIAS_DECAY, ranks[group],
+                     marginal[group])
         # the factors learn the drafter's own nodes (off the chain): per bin, their probabilities
         # and how many the path took
         own = torch.ones(tree.size, dtype=torch.bool) if nodes is None else ~nodes
@@ -554,9 +548,7 @@ class BudgetPolicy:
             elif self._plain_seen.get(batch, 0) >= PLAIN_SEEN:  # what the nodes' rows added to a plain step
                 extra, shape = verify_s - self.verify.predict(batch), self._shape_extra(batch, nodes)
                 for key in (_band(batch), (_band(batch), _size(nodes))):
-                    sums = self._extra.setdefault(key, [0.0, 0.0])
-                    sums[0] = ROW_DECAY * sums[0] + extra
-                    sums[1] = ROW_DECAY * sums[1] + shape
+                    _fade_in(self._extra.setdefault(key, [0.0, 0.0]), ROW_DECAY, extra, shape)
         if drafting and draft_s > 0:
             if self._cold_draft:
                 self._cold_draft = False
@@ -570,6 +562,18 @@ def _has_drafted(tree: Tree) -> bool:
     """Whether `tree` holds any node the drafter proposed (a tree without `sources` is the
     drafter's alone)."""
     return tree.size > 1 and (tree.sources is None or bool((tree.sources[1:] & DRAFTER).any()))
+
+
+def _shrunk(sums, base: float, weight: float) -> float:
+    """A measured ratio, faded (hits, mass), that starts from `base` as if `weight` of mass had
+    been measured at it."""
+    return (sums[0] + weight * base) / (sums[1] + weight)
+
+
+def _fade_in(sums: list[float], decay: float, hits: float, mass: float) -> None:
+    """Fades the (hits, mass) sums by `decay` and adds one observation."""
+    sums[0] = decay * sums[0] + hits
+    sums[1] = decay * sums[1] + mass
 
 
 def _size(nodes: int) -> int:
