@@ -55,6 +55,7 @@ def main() -> None:
         out = plan(batch, fixed_drafting, buckets, estimates, fixed_nodes)
         step.clear()
         step["draft"] = policy.draft.predict(sum(out)) if any(out) else 0.0
+        step["why"] = ("probe" if policy.probes == sum(out) else "plan+probe" if policy.probes else "plan") if any(out) else "-"
         return out
 
     def chosen(batch, buckets, curves, draft_s, fixed_nodes=0):
@@ -71,7 +72,7 @@ def main() -> None:
         return predicted
 
     def observed(batch, q, verify_s, drafting, draft_s, other_s, nodes=0):
-        key = (batch, size_group(nodes), drafting > 0)
+        key = (batch, size_group(nodes), step.get("why", "-"))
         groups[key].append((step.get("verify", policy.verify.predict(batch)), verify_s, step.get("draft", 0.0), draft_s,
                             step.get("other", policy._other(q).predict(batch)), other_s,
                             step.get("predicted", 0.0), step.get("accepted", 0), batch))
@@ -89,7 +90,7 @@ def main() -> None:
             print(f"  row factors (B = 1 / 4 / 16) {policy.row_factor(1):.2f} / {policy.row_factor(4):.2f} / "
                   f"{policy.row_factor(16):.2f}, bias drafted / lookup alone {policy.bias():.2f} / "
                   f"{policy.bias(drafted=False):.2f}, D(1) {policy.draft.predict(1) * 1e3:.1f} ms")
-            print("  | B | nodes | drafted | steps | verify ms | draft ms | rest ms | accepted | tokens/s |")
+            print("  | B | nodes | drafted (why) | steps | verify ms | draft ms | rest ms | accepted | tokens/s |")
             for (batch, nodes, drafted), v in sorted(groups.items(), key=lambda kv: (kv[0][0], ORDER.index(kv[0][1]), kv[0][2])):
                 if len(v) < 3:
                     continue
