@@ -55,7 +55,7 @@ def main() -> None:
         out = plan(batch, fixed_drafting, buckets, estimates, fixed_nodes)
         step.clear()
         step["draft"] = policy.draft.predict(sum(out)) if any(out) else 0.0
-        step["why"] = ("probe" if policy.probes == sum(out) else "plan+probe" if policy.probes else "plan") if any(out) else "-"
+        step["why"] = ("probe" if len(policy.probed) == sum(out) else "plan+probe" if policy.probed else "plan") if any(out) else "-"
         return out
 
     def chosen(batch, buckets, curves, draft_s, fixed_nodes=0):

@@ -95,6 +95,15 @@ PANELS: tuple[PanelSpec, ...] = (
           "predicted / realized")),
     ),
     PanelSpec(
+        "Budget policy: probes", "short",
+        "Budget auto: rounds per second that drafted to learn a sequence's gains (a probe: its first "
+        "step, then after 8, 16, ... plain steps), against all auto rounds. Probes that are rarely "
+        "followed by drafting are cut back per band of batch sizes; many probes under load mean "
+        "learning costs throughput.",
+        ((_rate("ray_ddtree_policy_probes_total"), "probes"),
+         (_rate("ray_ddtree_policy_accepted_count"), "auto rounds")),
+    ),
+    PanelSpec(
         "Round time by phase", "s",
         "Mean seconds per round in each phase: draft (drafter pass), tree (build), verify "
         "(target pass over the tree), commit (walk, KV compaction, stop checks).",

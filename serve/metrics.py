@@ -52,6 +52,9 @@ class EngineMetrics:
         self.policy_accepted = tagged(metrics.Histogram(
             "ddtree_policy_accepted", description="Budget auto: drafted tokens a round accepted.",
             boundaries=ACCEPTED_BOUNDARIES, tag_keys=("model",)))
+        self.policy_probes = tagged(metrics.Counter(
+            "ddtree_policy_probes", description="Budget auto: rounds that drafted to learn a sequence's gains "
+            "(a probe), not because they were predicted to pay.", tag_keys=("model",)))
         self.ttft = tagged(metrics.Histogram(
             "ddtree_time_to_first_token_seconds", description="Arrival to first token, seconds.",
             boundaries=LATENCY_BOUNDARIES_S, tag_keys=("model",)))
@@ -97,6 +100,8 @@ class EngineMetrics:
         if stats.predicted is not None:  # a round of the budget policy
             self.policy_predicted.observe(stats.predicted)
             self.policy_accepted.observe(stats.accepted)
+        if stats.probe:
+            self.policy_probes.inc()
         for depth, count in enumerate(stats.drafted_per_depth, start=1):
             self.drafted.inc(count, tags={"depth": str(depth)})
             if depth <= stats.accepted:

@@ -327,6 +327,11 @@ def test_policy_grants_trees_where_rows_are_cheap_and_none_where_they_are_not(ti
     steep_budgets = [r.budget for r in runs["steep"][0].rounds]
     assert max(flat_budgets) >= 8 and runs["flat"][0].tau > 5
     assert steep_budgets.count(0) >= len(steep_budgets) - 2, steep_budgets  # probes aside: plain
+    # each request's first round is a probe (nothing is known of it); with flat costs its trees
+    # pay from then on, with steep ones every tree it got was a probe's
+    flat_probes = [r.probe for r in runs["flat"][0].rounds]
+    assert flat_probes[0] and not any(flat_probes[1:]), flat_probes
+    assert runs["steep"][0].rounds[0].probe and all(r.probe for r in runs["steep"][0].rounds if r.budget)
     # the predictions were the drafter's own (certain) probabilities, and it was always right
     predicted = sum(r.predicted for r in runs["flat"][0].rounds)
     accepted = sum(r.accepted for r in runs["flat"][0].rounds)
@@ -523,7 +528,7 @@ def _probe_steps(policy: BudgetPolicy, gain_after: dict[int, float], steps: int 
         if step % 10 == 0:
             estimates[step // 10 % 4] = policy.sequence()
         drafts = policy.plan(4, 0, [1, 2], estimates)
-        if policy.probes:
+        if policy.probed:
             probed.append(step)
         for e, d in zip(estimates, drafts):
             if d:

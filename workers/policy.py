@@ -296,7 +296,7 @@ class BudgetPolicy:
         # workload that changed after a stretch of plain decoding is probed again
         self.hope: dict[int, float] | None = None
         self.best_seen: dict[int, float] = {}
-        self.probes = 0  # of the last plan: the sequences it drafted as probes, not for their gains
+        self.probed: set[int] = set()  # of the last plan: the sequences (its indices) drafting as probes, not for their gains
         # per band of batch sizes: of its recent probes, how many were followed by drafting for
         # their gains at the sequence's next plan (faded [drafted, probes]), and the steps since
         # its last probe
@@ -383,6 +383,7 @@ class BudgetPolicy:
         """Before drafting: which of the auto sequences (`estimates`) draft this step: those of
         the (Q, set) with the highest predicted rate from their recent gains, and the probes.
         `fixed_nodes`: the nodes the fixed budgets' trees ask for."""
+        self.probed = set()
         if not estimates:  # a batch of fixed budgets only: nothing to plan
             return []
         band = _band(batch)
@@ -399,7 +400,7 @@ class BudgetPolicy:
         if due and self.hope is not None:  # probe only those that could pay, were they the best seen
             hopeful = {i: (self.hope if i in due else e.gain) for i, e in enumerate(estimates)}
             due &= set(self._best_set(batch, fixed_drafting, fixed_nodes, buckets, hopeful))
-        self.probes = len(due)
+        self.probed = due
         if due:
             self._since_probe[band] = 0
         for i, e in enumerate(estimates):

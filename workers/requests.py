@@ -68,6 +68,7 @@ class RoundStats:
     transport_s: float = 0.0  # time in calls beyond the models' own work (Ray, serialization)
     budget: Budget | None = None  # the budget this round was granted (a batch may grant less than asked)
     predicted: float | None = None  # budget "auto": the accepted tokens the policy expected of this round
+    probe: bool = False  # budget "auto": it drafted as a probe (to learn its gains), not because they paid
     # accepted drafted tokens proposed by (the drafter alone, the lookup branch alone, both)
     accepted_sources: tuple[int, int, int] = (0, 0, 0)
 

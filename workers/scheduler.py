@@ -337,6 +337,7 @@ class Scheduler:
         buckets = [q for q in VERIFY_BUCKETS if q_floor <= q <= q_max and q - 1 <= self.policy.cap] or [q_floor]
         plan = self.policy.plan(len(rows), len(fixed), buckets, [rows[b].estimate for b in auto],
                                 sum(granted[b] for b in fixed))
+        probed = {rows[auto[i]].id for i in self.policy.probed}  # ids: `_reserve` may drop rows
         auto = [b for b, drafts in zip(auto, plan) if drafts]
         for b in auto:
             granted[b] = buckets[-1] - 1
@@ -445,7 +446,7 @@ class Scheduler:
             else:
                 granted_budget = granted[b]
             seq.rounds.append(RoundStats(tree.size, n - 1, draft_s[b], tree_s, t3 - t2, t4 - t3, per_depth,
-                                         budget=granted_budget, predicted=predicted,
+                                         budget=granted_budget, predicted=predicted, probe=seq.id in probed,
                                          accepted_sources=accepted_sources(tree, path)))
         t5 = time.perf_counter()
         self.policy.observe_step(len(rows), q_len, t3 - t2, len(drafting), draft_cost,
