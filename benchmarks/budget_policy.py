@@ -13,7 +13,7 @@ auto's granted-budget distribution and predicted vs realized accepted tokens.
 
     python benchmarks/budget_policy.py [--concurrency 1,4,16,64] [--budgets 0,4,8,16,chain]
         [--per-file 4] [--max-tokens 64] [--requests-per-stream 2] [--min-requests 12]
-        [--max-requests 64] [--warm-up 12] [--lookup] [--files a.jsonl,b.jsonl] [--json out.json]
+        [--max-requests 64] [--warm-up 12] [--settle 0] [--lookup] [--files a.jsonl,b.jsonl] [--json out.json]
 """
 
 from __future__ import annotations
@@ -51,6 +51,9 @@ def main() -> None:
     parser.add_argument("--max-requests", type=int, default=64)
     parser.add_argument("--warm-up", type=int, default=12,
                         help="auto requests run first, 4 streams, 32 tokens: the policy's state is a running server's")
+    parser.add_argument("--settle", type=int, default=0,
+                        help="per concurrency, this many unmeasured passes of auto first (one request per stream): "
+                             "the policy learns that batch size's costs and probe yield as a server under that load has")
     parser.add_argument("--max-step-tokens", type=int, default=1024)
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=False,
@@ -80,6 +83,8 @@ def main() -> None:
         requests = min(args.max_requests, max(args.min_requests, int(round(c * args.requests_per_stream))))
         order = budgets[i % len(budgets):] + budgets[: i % len(budgets)]
         rows = {}
+        for _ in range(args.settle):
+            load_bench.run_inprocess(engine, prompts, "auto", c, c, args.max_tokens)
         for p in range(args.passes):
             for budget in (order if p % 2 == 0 else order[::-1]):
                 r = load_bench.run_inprocess(engine, prompts, budget, c, requests, args.max_tokens)
