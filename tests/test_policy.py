@@ -555,3 +555,20 @@ def test_a_band_whose_probes_are_not_followed_by_drafting_probes_rarely():
     probed = _probe_steps(good, {1: 0.0, 2: 0.9})  # every probed sequence drafts on
     assert good.probe_yield(4) > 0.9
     assert sum(s % 10 == 0 for s in probed) >= 19  # each new sequence probed at its first step
+
+
+def test_the_plans_step_cost_is_the_policys_own_pieces():
+    """The plan prices each (Q, k) with the step's fixed parts computed once; it must equal the
+    pieces computed anew. Bug it pins: packed, a fixed budget's sequence counted its nodes twice
+    (in `fixed_nodes` and again as Q - 1 nodes of a drafting sequence), so a batch holding fixed
+    budgets priced every auto tree dearer than it ran."""
+    policy = BudgetPolicy(packed=True)
+    policy.calibrate(CostCurve({1: 0.034, 3: 0.036, 5: 0.040, 9: 0.050, 17: 0.080, 33: 0.130}))
+    for _ in range(10):
+        policy.observe_step(3, 1, 0.036, 0, 0.0, 0.001)
+        policy.observe_step(3, 5, 0.052, 2, 0.012, 0.004, nodes=6)
+    seconds = policy._step_time(3, 1, 4)  # one fixed-budget sequence with 4 nodes beside the auto ones
+    for q, k in [(1, 0), (2, 1), (5, 0), (5, 2), (9, 2)]:
+        expected = (policy.verify_s(3, q, 4 + k * (q - 1)) + policy.draft.predict(k + 1)
+                    + policy._other(q).predict(3))
+        assert seconds(q, k) == pytest.approx(expected), (q, k)

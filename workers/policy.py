@@ -296,7 +296,8 @@ class BudgetPolicy:
         # workload that changed after a stretch of plain decoding is probed again
         self.hope: dict[int, float] | None = None
         self.best_seen: dict[int, float] = {}
-        self.probed: set[int] = set()  # of the last plan: the sequences (its indices) drafting as probes, not for their gains
+        # of the last plan: the sequences (its indices) that draft as probes, not for their gains
+        self.probed: set[int] = set()
         # per band of batch sizes: of its recent probes, how many were followed by drafting for
         # their gains at the sequence's next plan (faded [drafted, probes]), and the steps since
         # its last probe
@@ -333,6 +334,20 @@ class BudgetPolicy:
         curve's T(B + nodes) - T(B), times the learned `row_factor`."""
         return self.row_factor(batch, nodes) * self._shape_extra(batch, nodes) if nodes else 0.0
 
+    def _rows_s(self, batch: int):
+        """`node_rows_s` for one batch, as rows_s(nodes): T1(B) once, the row factor once per group
+        of node counts (`_size`) -- the plan and `choose` price many node counts a step."""
+        base, factors = self.shape.predict(batch), {}
+
+        def rows_s(nodes: int) -> float:
+            if not nodes:
+                return 0.0
+            if _size(nodes) not in factors:
+                factors[_size(nodes)] = self.row_factor(batch, nodes)
+            return factors[_size(nodes)] * self._shape_extra(batch, nodes, base)
+
+        return rows_s
+
     def _shape_extra(self, batch: int, nodes: int, base: float | None = None) -> float:
         """T1(B + nodes) - T1(B) of the calibrated shape; `base`: T1(B) when already known."""
         base = self.shape.predict(batch) if base is None else base
@@ -357,18 +372,11 @@ class BudgetPolicy:
         each beside the fixed budgets' (`fixed_drafting` sequences, `fixed_nodes` nodes). What
         does not change with Q and k is computed once: the plan prices ~100 (Q, k) a step at
         16 streams, ~1.3 ms with every part predicted anew."""
-        plain, base = self.verify.predict(batch), self.shape.predict(batch)
-        draft, other, factors = {}, {}, {}
+        plain, rows_s = self.verify.predict(batch), self._rows_s(batch)
+        draft, other = {}, {}
 
         def seconds(q: int, k: int) -> float:
-            if not self.packed:
-                verify = self.verify.predict(batch * q)
-            else:
-                nodes, verify = fixed_nodes + k * (q - 1), plain
-                if nodes:
-                    if _size(nodes) not in factors:
-                        factors[_size(nodes)] = self.row_factor(batch, nodes)
-                    verify += factors[_size(nodes)] * self._shape_extra(batch, nodes, base)
+            verify = plain + rows_s(fixed_nodes + k * (q - 1)) if self.packed else self.verify.predict(batch * q)
             drafting = k + fixed_drafting
             if drafting not in draft:
                 draft[drafting] = self.draft.predict(drafting) if drafting else 0.0
@@ -516,18 +524,14 @@ class BudgetPolicy:
         marginal gains fall, mostly), keeping the count of the best rate seen; it stops once
         STALE more nodes have not beaten it."""
         most = buckets[-1] - 1
-        # what does not change with the nodes, once per step: T(B), the shape's T1(B); the row
-        # factor per group of node counts, as the count reaches it
+        # what does not change with the nodes, once per step: T(B) and the draft, the rest
         plain = self.verify.predict(batch) + draft_s
         others = self.other.predict(batch), self._other(2).predict(batch)
-        base, factors = self.shape.predict(batch), {}
+        rows_s = self._rows_s(batch)
 
         def seconds(nodes: int) -> float:
             total = fixed_nodes + nodes
-            if total and _size(total) not in factors:
-                factors[_size(total)] = self.row_factor(batch, total)
-            rows = factors[_size(total)] * self._shape_extra(batch, total, base) if total else 0.0
-            return plain + rows + others[1 if total else 0]
+            return plain + rows_s(total) + others[1 if total else 0]
 
         nodes = [0] * len(curves)
         queue = [(-(c[1] - c[0]), i) for i, c in enumerate(curves) if len(c) > 1 and most > 0]
