@@ -48,7 +48,7 @@ test: install prometheus
 	$(BIN)/python -m pytest -q --durations=10
 
 # The quick tier: no SmolLM2, no Ray cluster (marker `ray`) or Serve app, no statistical checks.
-test-fast: install
+test-fast: install prometheus
 	$(BIN)/python -m pytest -q -m "not smollm2 and not slow and not ray"
 
 # On a CUDA machine: kernel parity compiled, kernel timings, CUDA-graph verify, GPU verify-cost
