@@ -12,7 +12,7 @@ import torch
 from ddtree.config import SamplingParams
 from ddtree.kernels.tree import Candidates, Lookup, build_tree, grow_tree
 from ddtree.workers.drafter import DFlashDrafter
-from ddtree.workers.policy import (DEPTH_MARGIN, EXPLORE, FIRST_PROBE, MIN_DRAFT_DEPTH, MIN_YIELD, Acceptance,
+from ddtree.workers.policy import (DEPTH_MARGIN, EXPLORE, EXPLORE_SHARE, FIRST_PROBE, MIN_DRAFT_DEPTH, MIN_YIELD, Acceptance,
                                     BudgetPolicy, CostCurve, by_bucket, depth_mass, expected_accepted, source_masses)
 from ddtree.workers.requests import Request
 from ddtree.workers.scheduler import BatchLimits, Scheduler
@@ -519,9 +519,12 @@ def test_the_row_factor_learns_each_tree_size_apart():
     assert policy.row_factor(1, 2) < policy.row_factor(1) < policy.row_factor(1, 20)
 
 
-def _probe_steps(policy: BudgetPolicy, gain_after: dict[int, float], steps: int = 200) -> list[int]:
+def _probe_steps(policy: BudgetPolicy, gain_after: dict[int, float], steps: int = 200,
+                 probe_s: float | None = None) -> list[int]:
     """A 4-stream batch whose sequences are replaced by new ones every 10 steps (one at a time);
-    a sequence that drafts gets `gain_after` as its gains. Returns the steps that probed."""
+    a sequence that drafts gets `gain_after` as its gains. With `probe_s`, every step is
+    observed: 40 ms plain (the policy's curve), `probe_s` when it probed (no token accepted).
+    Returns the steps that probed."""
     estimates = [policy.sequence() for _ in range(4)]
     probed = []
     for step in range(steps):
@@ -533,6 +536,8 @@ def _probe_steps(policy: BudgetPolicy, gain_after: dict[int, float], steps: int 
         for e, d in zip(estimates, drafts):
             if d:
                 e.gain = dict(gain_after)
+        if probe_s is not None:
+            policy.observe_step(4, 2 if policy.probed else 1, probe_s if policy.probed else 0.040, 0, 0.0, 0.0)
     return probed
 
 
@@ -555,6 +560,49 @@ def test_a_band_whose_probes_are_not_followed_by_drafting_probes_rarely():
     probed = _probe_steps(good, {1: 0.0, 2: 0.9})  # every probed sequence drafts on
     assert good.probe_yield(4) > 0.9
     assert sum(s % 10 == 0 for s in probed) >= 19  # each new sequence probed at its first step
+
+
+def test_a_band_whose_probes_cost_much_probes_seldomer():
+    """At 16 streams, with the band's probes not followed by drafting, a probe every EXPLORE
+    (32) steps drafted the due sequences (a new wave's, each with its whole prompt for the
+    drafter) and took 225 ms where its tokens took 130 ms as plain steps: ~4% of the run, and
+    auto ran 0.93-0.96x plain. A band now probes no sooner than its last probe's net cost is
+    EXPLORE_SHARE of its seconds since."""
+    costs = CostCurve({4: 0.040, 8: 0.060})
+    dear = BudgetPolicy(costs)
+    dear.hope = {1: 0.0, 2: 5.0}  # the best seen would pay even at 200 ms a step: 24 / 200 ms > 4 / 40 ms
+    probed = _probe_steps(dear, {1: 0.0, 2: 0.2}, steps=800, probe_s=0.200)
+    assert dear.probe_cost(4) == pytest.approx(0.160)  # 200 ms, 40 of it the plain step's
+    late = [s for s in probed if s >= 100]
+    gap = math.ceil(0.160 / EXPLORE_SHARE / 0.040)  # 200 plain steps
+    assert len(late) >= 2 and all(b - a >= gap for a, b in zip(late, late[1:])), probed
+    cheap = BudgetPolicy(CostCurve({4: 0.040, 8: 0.060}))
+    cheap.hope = {1: 0.0, 2: 5.0}
+    probed = _probe_steps(cheap, {1: 0.0, 2: 0.2}, steps=800, probe_s=0.045)
+    late = [s for s in probed if s >= 100]
+    assert late and all(b - a < 2 * EXPLORE for a, b in zip(late, late[1:])), probed  # EXPLORE steps rule
+
+
+def test_the_drafters_context_rows_are_priced_apart_from_its_sequences():
+    """At 16 streams a probe drafted a new wave of 16 sequences, each with its whole prompt for
+    the drafter to take in: 161 ms where D(16), learned from sequences drafting step after step
+    (a few new rows each), said 70, and the probe lost ~4% of the run. Drafts that take in many
+    rows a sequence teach a cost per context row instead of D(n), and the plan prices a
+    sequence's pending rows: one whose prompt is still to be taken in drafts only if its gains
+    pay for that too."""
+    policy = BudgetPolicy(CostCurve({4: 0.040, 5: 0.042, 8: 0.060}), packed=True)
+    policy.observe_step(4, 1, 0.040, 1, 0.050, 0.0, context=300)  # the first pass runs cold: not learnt
+    for _ in range(20):
+        policy.observe_step(4, 1, 0.040, 2, 0.012, 0.0, context=4)  # 2 sequences, 2 rows each: D(2) ~ 12 ms
+        policy.observe_step(4, 1, 0.040, 2, 0.012 + 300e-6 * 200, 0.0, context=202)  # one takes in a 200-token prompt
+    assert policy.context_row_s == pytest.approx(300e-6, rel=0.05)
+    assert policy.draft.predict(2) == pytest.approx(0.012 - 300e-6 * 4, rel=0.05)
+    steady, fresh = policy.sequence(), policy.sequence()
+    steady.gain = fresh.gain = {1: 0.0, 2: 1.5}
+    steady.context, fresh.context = 2, 200
+    # a 1-node tree adds 2 ms of rows and ~11 ms of draft to a 40 ms step: 1.5 tokens pay for
+    # that (5.5 / 53 ms > 4 / 40 ms), not for 60 ms more of a prompt taken in
+    assert policy.plan(4, 0, [1, 2], [steady, fresh]) == [True, False]
 
 
 def test_the_plans_step_cost_is_the_policys_own_pieces():

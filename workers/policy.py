@@ -20,7 +20,10 @@ The model (README, "How budget: auto chooses"):
   highest marginal gain first.
 - T(r): seconds of one target forward over r rows in all (`CostCurve`), calibrated over row
   counts at start-up (ddtree.calibrate) and refreshed from every step's own timing.
-- D(n): the drafter's pass over n sequences and growing their trees; O(B): the rest of a step
+- D(n) + c R: the drafter's pass over n sequences and growing their trees, plus c seconds per
+  context row it takes in (R: the drafting sequences' target features since their last draft --
+  a new sequence's whole prompt, an idle one's every token since: a probe of 16 new sequences at
+  16 streams spent 161 ms drafting where D(16) said 70); O(B): the rest of a step
   (lookup branches, walk, commit), one curve for plain steps (Q = 1) and one for steps with
   trees, which cost more; all learned from the live steps.
 - E_s(n): the expected accepted tokens of sequence s's best-first tree of n nodes. DDTree grows
@@ -58,7 +61,9 @@ nothing drafts, `hope` rises slowly back to the best gains ever seen, so a workl
 during a stretch of plain decoding gets probed again. A probe is paid for by what follows it: a
 band of batch sizes probes while a quarter or more of its recent probes were followed by the
 plan drafting that sequence for its gains (`probe_yield`), else once every EXPLORE steps (the
-due sequences all at once, sharing the drafter's pass).
+due sequences all at once, sharing the drafter's pass) and no sooner than its last such probe's
+net cost (`probe_cost`: its seconds past what its tokens take plain) is EXPLORE_SHARE of the
+band's time since: at 16 streams a probe of a new wave of sequences cost ~100 ms past its tokens.
 Sequences with a fixed budget keep it; Q never goes below what they need.
 
 The policy only chooses tree shapes, never tokens: output is the target's own at every Q.
@@ -91,7 +96,8 @@ LAST_PROBE = 64  # ... doubling each time up to this: acceptance that collapsed 
 YIELD_DECAY = 0.9  # per probe outcome, the counts behind a band's probe yield fade by this ...
 YIELD_PRIOR = 2.0  # ... which starts at 1 as if this many probes had each been followed by drafting
 MIN_YIELD = 0.25  # a band probes while at least this share of its probes is followed by drafting ...
-EXPLORE = 32  # ... or once this many of its steps have gone by without a probe
+EXPLORE = 32  # ... or once this many of its steps have gone by without a probe ...
+EXPLORE_SHARE = 0.02  # ... and its last probe's net cost is at most this share of their seconds
 CALIBRATION_CONTEXT = 64  # committed tokens before the rows `measure_step_cost` times
 STALE = 24  # packed rows: nodes granted past the best rate seen before the policy stops looking
 ROW_DECAY = 0.95  # packed rows: per step with trees, the sums behind the row factor fade by this
@@ -104,6 +110,7 @@ BINS = (0.5, 0.2, 0.05)
 SIZE_PRIOR = 2.0  # a rank group's correction starts from its source's as if this many tokens were predicted
 MIN_DRAFT_DEPTH = 4  # an auto sequence's draft asks for at least this many depths ...
 DEPTH_MARGIN = 2  # ... and this many past its last chosen tree's depth
+CONTEXT_ROWS = 8  # a draft taking in more context rows a sequence than this teaches c, not D(n)
 
 
 class CostCurve:
@@ -238,6 +245,7 @@ class SequenceEstimate:
     probed: int | None = None  # the band of the batch it was last probed in, until its next plan says if it drafts
     depth: int | None = None  # the depth of its last tree the policy chose (None until it drafted once)
     drafted: int = 0  # its drafted trees so far
+    context: int = 0  # target features its next draft takes in (the scheduler sets it each step)
 
     def draft_depth(self, most: int) -> int:
         """The depths its next draft asks of the drafter: DEPTH_MARGIN past its last chosen
@@ -282,7 +290,8 @@ class BudgetPolicy:
         # band, and (band, tree size `_size`) -> [measured, shape's] extra seconds
         self._extra: dict[int | tuple[int, int], list[float]] = {}
         self._plain_seen: dict[int, int] = {}
-        self.draft = CostCurve()
+        self.draft = CostCurve()  # D(n), the context rows' part taken out ...
+        self.context_row_s = 0.0  # ... c: seconds per context row, from drafts that took in many (`observe_step`)
         # the drafter's first pass in a process runs cold (it builds its draft-vocabulary head,
         # allocates its buffers): 69 ms against ~10 warm for SmolLM2's drafter here. Taken as
         # the draft's cost, it priced every tree out at one stream, and with no draft ever
@@ -303,6 +312,11 @@ class BudgetPolicy:
         # its last probe
         self._yield: dict[int, list[float]] = {}
         self._since_probe: dict[int, int] = {}
+        # per band: the seconds of its steps since its last probe, and that probe's net cost
+        # (`probe_cost`); the accepted tokens of the step under way (`observe_round` counts them)
+        self._since_probe_s: dict[int, float] = {}
+        self._probe_cost: dict[int, float] = {}
+        self._step_accepted = 0
         # realized / predicted accepted tokens of the recent verified trees (faded sums), per
         # source (`drafted`: trees with the drafter's nodes; else a lookup chain alone): the
         # trees verified are those predicted to pay, so what the factors c_b leave of
@@ -368,21 +382,22 @@ class BudgetPolicy:
         return _shrunk(self._extra.get((_band(batch), _size(nodes)), (0.0, 0.0)), factor, SIZE_ROW_PRIOR_S)
 
     def _step_time(self, batch: int, fixed_drafting: int, fixed_nodes: int):
-        """seconds(q, k): a step of `batch` sequences in which `k` auto sequences fill Q - 1 nodes
-        each beside the fixed budgets' (`fixed_drafting` sequences, `fixed_nodes` nodes). What
-        does not change with Q and k is computed once: the plan prices ~100 (Q, k) a step at
-        16 streams, ~1.3 ms with every part predicted anew."""
+        """seconds(q, k, context): a step of `batch` sequences in which `k` auto sequences fill
+        Q - 1 nodes each beside the fixed budgets' (`fixed_drafting` sequences, `fixed_nodes`
+        nodes), the drafter taking in `context` rows. What does not change with Q and k is
+        computed once: the plan prices ~100 (Q, k) a step at 16 streams, ~1.3 ms with every part
+        predicted anew."""
         plain, rows_s = self.verify.predict(batch), self._rows_s(batch)
         draft, other = {}, {}
 
-        def seconds(q: int, k: int) -> float:
+        def seconds(q: int, k: int, context: int = 0) -> float:
             verify = plain + rows_s(fixed_nodes + k * (q - 1)) if self.packed else self.verify.predict(batch * q)
             drafting = k + fixed_drafting
             if drafting not in draft:
                 draft[drafting] = self.draft.predict(drafting) if drafting else 0.0
             if q not in other:
                 other[q] = self._other(q).predict(batch)
-            return verify + draft[drafting] + other[q]
+            return verify + draft[drafting] + self.context_row_s * context + other[q]
 
         return seconds
 
@@ -391,13 +406,14 @@ class BudgetPolicy:
         """Before drafting: which of the auto sequences (`estimates`) draft this step: those of
         the (Q, set) with the highest predicted rate from their recent gains, and the probes.
         `fixed_nodes`: the nodes the fixed budgets' trees ask for."""
-        self.probed = set()
+        self.probed, self._step_accepted = set(), 0
         if not estimates:  # a batch of fixed budgets only: nothing to plan
             return []
         band = _band(batch)
         due = {i for i, e in enumerate(estimates) if e.gain is None or e.idle >= e.probe_after}
+        context = {i: e.context for i, e in enumerate(estimates)}
         chosen = set(self._best_set(batch, fixed_drafting, fixed_nodes, buckets, {
-            i: e.gain for i, e in enumerate(estimates) if i not in due}))
+            i: e.gain for i, e in enumerate(estimates) if i not in due}, context))
         for i, e in enumerate(estimates):  # what the probes of its last step came to
             if e.probed is not None and i not in due:
                 _fade_in(self._yield.setdefault(e.probed, [0.0, 0.0]), YIELD_DECAY, float(i in chosen), 1.0)
@@ -407,10 +423,10 @@ class BudgetPolicy:
             due = set()
         if due and self.hope is not None:  # probe only those that could pay, were they the best seen
             hopeful = {i: (self.hope if i in due else e.gain) for i, e in enumerate(estimates)}
-            due &= set(self._best_set(batch, fixed_drafting, fixed_nodes, buckets, hopeful))
+            due &= set(self._best_set(batch, fixed_drafting, fixed_nodes, buckets, hopeful, context))
         self.probed = due
         if due:
-            self._since_probe[band] = 0
+            self._since_probe[band], self._since_probe_s[band] = 0, 0.0
         for i, e in enumerate(estimates):
             if i in chosen:
                 e.idle, e.probe_after = 0, FIRST_PROBE
@@ -429,28 +445,43 @@ class BudgetPolicy:
     def probing(self, batch: int) -> bool:
         """Whether a batch of `batch` sequences probes the sequences due: while its band's
         probes are followed by drafting (`probe_yield` >= MIN_YIELD), else once every EXPLORE
-        steps. At 4 streams on the mixed prompts, 27-37 steps of ~250 drafted probes (52-66
-        tokens/s against plain steps' 68-78) and 3-4 drafted for their gains: the probes bought
-        almost nothing and cost ~3% of the run, auto ran 0.93x plain."""
+        steps, and only once the band's seconds since its last probe are that probe's net cost
+        over EXPLORE_SHARE. At 4 streams on the mixed prompts, 27-37 steps of ~250 drafted
+        probes (52-66 tokens/s against plain steps' 68-78) and 3-4 drafted for their gains: the
+        probes bought almost nothing and cost ~3% of the run, auto ran 0.93x plain. At 16
+        streams, once every 32 steps, a probe of the due sequences (a new wave's, each with its
+        whole prompt for the drafter to take in) took 225 ms where its tokens took 130 plain:
+        ~4% of the run."""
         band = _band(batch)
-        return self.probe_yield(batch) >= MIN_YIELD or self._since_probe.get(band, 0) >= EXPLORE
+        if self.probe_yield(batch) >= MIN_YIELD:
+            return True
+        return (self._since_probe.get(band, 0) >= EXPLORE
+                and EXPLORE_SHARE * self._since_probe_s.get(band, 0.0) >= self.probe_cost(batch))
+
+    def probe_cost(self, batch: int) -> float:
+        """The net cost of the last probe in batches of `batch`'s band: its step's seconds past
+        what its tokens take at the predicted plain step's rate (0 before any, or when it paid)."""
+        return self._probe_cost.get(_band(batch), 0.0)
 
     def _best_set(self, batch: int, fixed_drafting: int, fixed_nodes: int, buckets: list[int],
-                  gains: dict[int, dict[int, float]]) -> list[int]:
+                  gains: dict[int, dict[int, float]], context: dict[int, int] | None = None) -> list[int]:
         """The sequences (keys of `gains`) whose drafting gives the highest predicted rate at
-        the best Q: for each Q, the k with the largest gains, for every k."""
+        the best Q: for each Q, the k with the largest gains, for every k; `context`: each
+        one's rows for the drafter to take in (priced at `context_row_s`)."""
         best, best_rate = [], -1.0
         seconds = self._step_time(batch, fixed_drafting, fixed_nodes)
+        context = context or {}
         for q in buckets:
             gain = {i: g.get(q, 0.0) for i, g in gains.items()}
             order = sorted(gain, key=lambda i: -gain[i])
-            tokens = float(batch)
+            tokens, rows = float(batch), 0
             for k in range(len(order) + 1):
                 if k:
                     if q == 1 or gain[order[k - 1]] <= 0:
                         break  # a root-only tree, or one that gains nothing, is not worth a draft
                     tokens += gain[order[k - 1]]
-                rate = tokens / max(seconds(q, k), 1e-9)
+                    rows += context.get(order[k - 1], 0)
+                rate = tokens / max(seconds(q, k, rows), 1e-9)
                 if rate > best_rate:
                     best, best_rate = order[:k], rate
         return best
@@ -572,6 +603,7 @@ class BudgetPolicy:
             self.hope = hope | {q: g if g >= hope.get(q, g) else hope[q] + HOPE_EASE * (g - hope[q])
                                 for q, g in estimate.gain.items()}
             self.best_seen |= {q: max(g, self.best_seen.get(q, g)) for q, g in estimate.gain.items()}
+        self._step_accepted += len(path) - 1
         if tree.size == 1:
             return 0.0
         nodes, bins = tree.on_chain(), node_bins(tree)
@@ -601,11 +633,19 @@ class BudgetPolicy:
         return predicted
 
     def observe_step(self, batch: int, q: int, verify_s: float, drafting: int, draft_s: float, other_s: float,
-                     nodes: int = 0) -> None:
+                     nodes: int = 0, context: int = 0) -> None:
         """The step's measured times: the target's forward over its rows (batch x q; packed:
-        batch + the `nodes` of its trees), the drafter's pass over `drafting` sequences, the rest."""
+        batch + the `nodes` of its trees), the drafter's pass over `drafting` sequences taking
+        in `context` rows, the rest."""
         if not drafting and self.hope is not None:
             self.hope = {q: h + HOPE_RISE * (self.best_seen.get(q, h) - h) for q, h in self.hope.items()}
+        step_s = sum(x for x in (verify_s, draft_s, other_s) if math.isfinite(x) and x > 0)
+        band = _band(batch)
+        if self.probed:  # what the probe cost past its tokens' time as plain steps (priced before this one teaches)
+            plain_s = self.verify.predict(batch) + self.other.predict(batch)
+            self._probe_cost[band] = max(0.0, step_s - plain_s * (batch + self._step_accepted) / batch)
+        else:
+            self._since_probe_s[band] = self._since_probe_s.get(band, 0.0) + step_s
         if math.isfinite(verify_s) and verify_s > 0:
             if not self.packed:
                 self.verify.observe(batch * q, verify_s)
@@ -619,8 +659,11 @@ class BudgetPolicy:
         if drafting and draft_s > 0:
             if self._cold_draft:
                 self._cold_draft = False
-            else:
-                self.draft.observe(drafting, draft_s)
+            elif context > CONTEXT_ROWS * drafting and self.draft:  # many rows: what they cost past D(n)
+                per_row = max(draft_s - self.draft.predict(drafting), 0.0) / context
+                self.context_row_s += EMA * (per_row - self.context_row_s)
+            else:  # a few rows a sequence (drafting step after step): D(n), their part taken out
+                self.draft.observe(drafting, max(draft_s - self.context_row_s * context, 0.5 * draft_s))
         if other_s > 0:
             (self.other_trees if q > 1 else self.other).observe(batch, other_s)
 

@@ -335,6 +335,8 @@ class Scheduler:
         fixed = [b for b, (seq, nodes) in enumerate(zip(rows, granted)) if nodes and seq.drafting]
         q_floor = bucket(1 + max(granted))
         buckets = [q for q in VERIFY_BUCKETS if q_floor <= q <= q_max and q - 1 <= self.policy.cap] or [q_floor]
+        for b in auto:  # what each would give the drafter to take in, were it to draft
+            rows[b].estimate.context = sum(f.shape[1] for f in rows[b].features)
         plan = self.policy.plan(len(rows), len(fixed), buckets, [rows[b].estimate for b in auto],
                                 sum(granted[b] for b in fixed))
         probed = {rows[auto[i]].id for i in self.policy.probed}  # ids: `_reserve` may drop rows
@@ -342,7 +344,7 @@ class Scheduler:
         for b in auto:
             granted[b] = buckets[-1] - 1
         drafting = sorted(fixed + auto)
-        candidates = {}
+        candidates, context = {}, sum(f.shape[1] for b in drafting for f in rows[b].features)
         if drafting:
             proposals = self.drafter.propose(DraftRows(
                 ids=[rows[b].id for b in drafting],
@@ -450,7 +452,7 @@ class Scheduler:
                                          accepted_sources=accepted_sources(tree, path)))
         t5 = time.perf_counter()
         self.policy.observe_step(len(rows), q_len, t3 - t2, len(drafting), draft_cost,
-                                 (t5 - t0) - (t3 - t2) - draft_cost, sum(t.size - 1 for t in trees))
+                                 (t5 - t0) - (t3 - t2) - draft_cost, sum(t.size - 1 for t in trees), context)
         return rows
 
     def _lookup_branches(self, rows: list[_Sequence]) -> dict:
