@@ -54,7 +54,8 @@ def main() -> None:
     def planned(batch, fixed_drafting, buckets, estimates, fixed_nodes=0):
         out = plan(batch, fixed_drafting, buckets, estimates, fixed_nodes)
         step.clear()
-        step["draft"] = policy.draft.predict(sum(out)) if any(out) else 0.0
+        context = sum(e.context for e, d in zip(estimates, out) if d)
+        step["draft"] = policy.draft.predict(sum(out)) + policy.context_row_s * context if any(out) else 0.0
         step["why"] = ("probe" if len(policy.probed) == sum(out) else "plan+probe" if policy.probed else "plan") if any(out) else "-"
         return out
 
@@ -71,13 +72,13 @@ def main() -> None:
         step["predicted"] = step.get("predicted", 0.0) + predicted
         return predicted
 
-    def observed(batch, q, verify_s, drafting, draft_s, other_s, nodes=0):
+    def observed(batch, q, verify_s, drafting, draft_s, other_s, nodes=0, context=0):
         key = (batch, size_group(nodes), step.get("why", "-"))
         groups[key].append((step.get("verify", policy.verify.predict(batch)), verify_s, step.get("draft", 0.0), draft_s,
                             step.get("other", policy._other(q).predict(batch)), other_s,
                             step.get("predicted", 0.0), step.get("accepted", 0), batch))
         step.clear()
-        return observe_step(batch, q, verify_s, drafting, draft_s, other_s, nodes)
+        return observe_step(batch, q, verify_s, drafting, draft_s, other_s, nodes, context)
 
     policy.plan, policy.choose, policy.observe_round, policy.observe_step = planned, chosen, rounded, observed
     med = statistics.median
@@ -89,16 +90,27 @@ def main() -> None:
                   f"accepted predicted / realized {r.predicted:.0f} / {r.accepted}", flush=True)
             print(f"  row factors (B = 1 / 4 / 16) {policy.row_factor(1):.2f} / {policy.row_factor(4):.2f} / "
                   f"{policy.row_factor(16):.2f}, bias drafted / lookup alone {policy.bias():.2f} / "
-                  f"{policy.bias(drafted=False):.2f}, D(1) {policy.draft.predict(1) * 1e3:.1f} ms")
+                  f"{policy.bias(drafted=False):.2f}, D(1) {policy.draft.predict(1) * 1e3:.1f} ms, "
+                  f"c {policy.context_row_s * 1e6:.1f} us a context row")
             print("  | B | nodes | drafted (why) | steps | verify ms | draft ms | rest ms | accepted | tokens/s |")
             for (batch, nodes, drafted), v in sorted(groups.items(), key=lambda kv: (kv[0][0], ORDER.index(kv[0][1]), kv[0][2])):
-                if len(v) < 3:
+                if len(v) < 3 and drafted == "-":  # the drafted steps are few and each worth seeing
                     continue
                 pair = lambda i: f"{med(x[i] for x in v) * 1e3:.1f} / {med(x[i + 1] for x in v) * 1e3:.1f}"  # noqa: E731
                 seconds = sum(x[1] + x[3] + x[5] for x in v)
                 print(f"  | {batch} | {nodes} | {drafted} | {len(v)} | {pair(0)} | {pair(2)} | {pair(4)} | "
                       f"{sum(x[6] for x in v) / len(v):.2f} / {sum(x[7] for x in v) / len(v):.2f} | "
                       f"{sum(x[8] + x[7] for x in v) / seconds:.1f} |")
+            # every step, the small groups too: where the pass's step time went, by why it drafted
+            totals = collections.defaultdict(lambda: [0, 0.0, 0.0])
+            for (batch, nodes, drafted), v in groups.items():
+                kind = drafted if drafted != "-" else ("plain" if nodes == "0" else "lookup alone")
+                for x in v:
+                    totals[kind][0] += 1
+                    totals[kind][1] += x[1] + x[3] + x[5]
+                    totals[kind][2] += x[8] + x[7]
+            print("  all steps by why: " + ", ".join(
+                f"{kind} {n} steps {s:.2f} s {t / s:.1f} tok/s" for kind, (n, s, t) in sorted(totals.items())))
 
 
 if __name__ == "__main__":
