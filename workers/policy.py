@@ -4,14 +4,14 @@ sequence's own acceptance.
 
 The model (README, "How budget: auto chooses"):
 
-    rate(Q, S) = (B + sum_{s in S} E_s(Q - 1)) / (T(B * Q) + D(|S|) + O(B))
+    rate(Q, S) = (B + sum_{s in S} E_s(Q - 1)) / (T(B * Q) + D(|S|) + c R_S + O(B))
 
 - B sequences decode this step; every one verifies a block of Q rows (a bucket: the step pads
   every tree to the same Q, so within one step a sequence's nodes up to Q - 1 cost no more rows);
   S are the sequences that draft, the others verify their root alone.
 - Packed (`packed`: on the CPU the padding rows are not computed, workers.model.Packing), each
   tree s gets its own nodes n_s and the step costs its real rows:
-      rate(n) = (B + sum_s E_s(n_s)) / (T(B) + k (T1(B + N) - T1(B)) + D(|S|) + O(B)),
+      rate(n) = (B + sum_s E_s(n_s)) / (T(B) + k (T1(B + N) - T1(B)) + D(|S|) + c R_S + O(B)),
   N = sum_s n_s, T1 the start-up curve as measured (`shape`: the GEMMs' register tiles make the
   first rows past a multiple of 4 nearly free), k(B) = measured / T1's extra seconds of the
   recent steps with trees in batches of about B (`row_factor`, one per power-of-two band of B:
