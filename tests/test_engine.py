@@ -61,3 +61,23 @@ def test_budgets_are_checked_by_one_rule_with_the_servers_cap(engine):
     for bad in (-1, True, 2.5, "many"):
         with pytest.raises(ValueError, match="budget must be"):
             engine.check_budget(bad)
+
+
+def test_the_busy_window_leaves_out_the_drain_of_a_closed_loop(engine):
+    """benchmarks/budget_policy.py at 4 streams, 3 requests a stream: plain decoding's streams
+    all finished at the same step, a tree budget's one by one, and its last ~30 of ~220 steps
+    decoded one or two sequences -- ~7% of the pass that was not 4 concurrent streams. The busy
+    window counts only the steps that began with every stream holding a request: with streams
+    of unequal lengths it leaves out the drain's steps and their tokens, with equal ones it is
+    the whole run."""
+    from ddtree import load_bench
+
+    short = engine.render_chat([{"role": "user", "content": "Hi."}])
+    equal = load_bench.run_inprocess(engine, [short], 0, 2, 2, 8)
+    assert equal.busy_tokens == equal.tokens
+    assert equal.busy_seconds == pytest.approx(equal.seconds, rel=0.05)
+    # 3 requests on 2 streams: the third (greedy, the same prompt: as many tokens as each of the
+    # first two) runs alone once they finish
+    uneven = load_bench.run_inprocess(engine, [short], 0, 2, 3, 8)
+    assert uneven.requests == 3 and uneven.busy_tokens * 3 == uneven.tokens * 2
+    assert 0 < uneven.busy_seconds < uneven.seconds
