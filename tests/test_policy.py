@@ -173,7 +173,7 @@ def test_packed_rows_learn_what_a_node_costs_in_the_batch():
     tile). Only at batch sizes whose plain step was seen: a tail batch of 3 whose T(3) was still
     the one-sequence guess (32 ms, where 3 sequences take 45) once taught a node cost of 8.5 ms
     where 1.5 was measured, and auto stopped granting trees that paid (1.09x plain)."""
-    calibrated = {1: 0.034, 3: 0.032, 5: 0.036, 9: 0.050, 17: 0.080}
+    calibrated = {1: 0.032, 3: 0.032, 5: 0.036, 9: 0.050, 17: 0.080}  # non-decreasing (a dip is flattened: test below)
     policy = BudgetPolicy(packed=True)
     policy.calibrate(CostCurve(calibrated))
     assert policy.row_factor(5) == 1.0
@@ -603,6 +603,19 @@ def test_the_drafters_context_rows_are_priced_apart_from_its_sequences():
     # a 1-node tree adds 2 ms of rows and ~11 ms of draft to a 40 ms step: 1.5 tokens pay for
     # that (5.5 / 53 ms > 4 / 40 ms), not for 60 ms more of a prompt taken in
     assert policy.plan(4, 0, [1, 2], [steady, fresh]) == [True, False]
+
+
+def test_a_start_up_curve_that_dips_still_prices_every_node():
+    """The start-up curve measured T(1) at 37 ms and T(2), T(3) at 31 (a one-row forward takes
+    another path through the GEMMs, or a slow second of the machine): a lone sequence's first
+    nodes then added nothing to T1(1), no learned row factor could scale that up, and auto
+    granted 3 nodes at most steps, predicting 32.9 ms of verify where they took 39.2. The shape
+    is made non-decreasing from above: a forward over more rows never costs less."""
+    policy = BudgetPolicy(packed=True)
+    policy.calibrate(CostCurve({1: 0.037, 2: 0.031, 3: 0.031, 5: 0.042, 9: 0.042, 17: 0.053}))
+    assert policy._shape_extra(1, 3) == pytest.approx(0.0365 - 0.031)  # T1(4), between 3 and 5, over T1(1) = 31
+    assert policy._shape_extra(1, 1) == 0.0  # T1(2) = T1(1): the dip is flattened, not priced below zero
+    assert policy.verify.predict(1) == 0.037  # the live T(B) keeps what was measured (plain steps teach it)
 
 
 def test_the_plans_step_cost_is_the_policys_own_pieces():
