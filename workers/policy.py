@@ -354,7 +354,7 @@ class BudgetPolicy:
     def node_rows_s(self, batch: int, nodes: int) -> float:
         """Packed: what `nodes` rows add to a plain step of `batch` sequences: the calibrated
         curve's T(B + nodes) - T(B), times the learned `row_factor`."""
-        return self.row_factor(batch, nodes) * self._shape_extra(batch, nodes) if nodes else 0.0
+        return self._rows_s(batch)(nodes)
 
     def _rows_s(self, batch: int):
         """`node_rows_s` for one batch, as rows_s(nodes): T1(B) once, the row factor once per group

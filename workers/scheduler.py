@@ -335,8 +335,10 @@ class Scheduler:
         fixed = [b for b, (seq, nodes) in enumerate(zip(rows, granted)) if nodes and seq.drafting]
         q_floor = bucket(1 + max(granted))
         buckets = [q for q in VERIFY_BUCKETS if q_floor <= q <= q_max and q - 1 <= self.policy.cap] or [q_floor]
-        for b in auto:  # what each would give the drafter to take in, were it to draft
-            rows[b].estimate.context = sum(f.shape[1] for f in rows[b].features)
+        # the target features each row would give the drafter to take in, were it to draft
+        pending = [sum(f.shape[1] for f in s.features) for s in rows]
+        for b in auto:
+            rows[b].estimate.context = pending[b]
         plan = self.policy.plan(len(rows), len(fixed), buckets, [rows[b].estimate for b in auto],
                                 sum(granted[b] for b in fixed))
         probed = {rows[auto[i]].id for i in self.policy.probed}  # ids: `_reserve` may drop rows
@@ -344,7 +346,7 @@ class Scheduler:
         for b in auto:
             granted[b] = buckets[-1] - 1
         drafting = sorted(fixed + auto)
-        candidates, context = {}, sum(f.shape[1] for b in drafting for f in rows[b].features)
+        candidates, context = {}, sum(pending[b] for b in drafting)
         if drafting:
             proposals = self.drafter.propose(DraftRows(
                 ids=[rows[b].id for b in drafting],
