@@ -54,6 +54,10 @@ from .policy import BudgetPolicy, SequenceEstimate, by_bucket
 
 # Verify row counts Q a step may use: a budget-2^k tree (2^k + 1 rows) fills its bucket exactly.
 VERIFY_BUCKETS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1025, 2049)
+# a sequence's target features since its last draft are kept as at most this many tensors (joined
+# when more): every step counts an auto sequence's rows for the policy, and one left plain for a
+# long reply would otherwise hold a tensor per step
+FEATURE_CHUNKS = 32
 
 
 def bucket(rows: int) -> int:
@@ -336,7 +340,7 @@ class Scheduler:
         q_floor = bucket(1 + max(granted))
         buckets = [q for q in VERIFY_BUCKETS if q_floor <= q <= q_max and q - 1 <= self.policy.cap] or [q_floor]
         # the target features each row would give the drafter to take in, were it to draft
-        pending = [sum(f.shape[1] for f in s.features) for s in rows]
+        pending = {b: sum(f.shape[1] for f in rows[b].features) for b in auto + fixed}
         for b in auto:
             rows[b].estimate.context = pending[b]
         plan = self.policy.plan(len(rows), len(fixed), buckets, [rows[b].estimate for b in auto],
@@ -435,6 +439,8 @@ class Scheduler:
             self.pool.shrink(seq.pages, seq.length + 1)
             if out.features is not None and (seq.budget != 0 or self.record_features):
                 seq.features.append(out.features[b : b + 1, path])
+                if len(seq.features) >= FEATURE_CHUNKS:  # an idle auto sequence's: counted every step
+                    seq.features = [torch.cat(seq.features, dim=1)]
             before = len(seq.output)
             seq.output.extend(tree.tokens[path[1:]].tolist() + [bonus[b]])
             seq.finish_reason, seq.text = check_stop(seq.request, seq.output, self.decode)
