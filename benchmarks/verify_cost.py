@@ -12,8 +12,8 @@ them back to back; with 1, each timed forward follows other sizes' and backends'
 one row measured up to ~25% slower that way than in a run of one-row forwards.
 
 For float weights where ddtree's CPU kernel is built, the last column is the linears' FMA
-floor: q rows times the linears' multiply-adds, at 8 per fused multiply-add and the rate one
-thread retires with nothing waiting on memory (ddtree_cpu.fma_rate), times the threads -- what
+floor: q rows times the linears' multiply-adds, at the rate one thread retires them in the
+kernel's vectors with nothing waiting on memory (ddtree_cpu.fma_rate), times the threads -- what
 T(q) cannot go below on this machine, however the weights stream.
 """
 
@@ -87,8 +87,8 @@ def fma_floor(model, threads: int) -> float | None:
         return None
     rate = max(torch.ops.ddtree_cpu.fma_rate(20_000_000) for _ in range(5))
     macs = sum(module.weight.numel() for module in model.modules() if isinstance(module, torch.nn.Linear))
-    print(f"linears: {macs / 1e6:.1f}M multiply-adds per row; one thread retires {rate / 1e9:.2f}G 8-wide FMAs/s")
-    return macs / 8 / (rate * threads)
+    print(f"linears: {macs / 1e6:.1f}M multiply-adds per row; one thread retires {rate / 1e9:.1f}G multiply-adds/s")
+    return macs / (rate * threads)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,15 @@ import torch.nn.functional as F
 
 from ddtree.workers import cpu_gemm, model
 
-pytestmark = pytest.mark.skipif(not cpu_gemm.float_kernel(), reason="float_mm serves AVX2 CPUs only")
+pytestmark = pytest.mark.skipif(not cpu_gemm.float_kernel(), reason="float_mm serves AVX2 and AVX-512 CPUs only")
 
-# The kernel's tiling: 12 output columns per task step, rows in groups of 4 and 3 (2 when M is 2
-# or 5) in register tiles of 4 x 3, 3 x 4 and 2 x 6 columns (columns past a multiple of those one
-# by one), steps of 8 inputs and a tail of K mod 8 added one by one; one row (4 columns at a
-# time) has its own loop. These shapes and row counts land in every branch.
-ROWS = [1, 2, 3, 4, 5, 7, 9, 17, 33, 65]
+# The kernel's tiling: 12 output columns per task step; with AVX2 rows in groups of 4 and 3 (2
+# when M is 2 or 5) in register tiles of 4 x 3, 3 x 4 and 2 x 6 columns, steps of 8 inputs;
+# with AVX-512 up to 12 rows in one group (tiles of R x 6, 4, 3 or 2 columns) and more in
+# groups of 4, steps of 16 inputs; columns past a multiple of a tile's one by one, a tail of K
+# mod the lanes added one by one; one row (4 columns at a time) has its own loop. These shapes
+# and row counts land in every branch of either build.
+ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 16, 17, 33, 65]
 SHAPES = [(1, 8), (5, 7), (11, 64), (12, 100), (13, 576), (25, 1), (130, 96), (50, 1537)]
 
 

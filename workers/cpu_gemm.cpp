@@ -315,21 +315,61 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& blocks, const std::s
 
 // --- float_mm: W float32 [N, K], read where it lies ------------------------------------------
 //
-// Register tiles of R activation rows x C weight rows: each step of 8 inputs loads C weight
-// vectors and R activation vectors for R * C fused multiply-adds, the accumulators held in
-// registers over the whole of K (no partial sums in memory). A thread takes TILE_N output
-// columns at a time and passes every group of rows over them: the tile's weights come from
-// memory once per call, whatever M, and from L1/L2 for the later groups; meanwhile the tile
-// after next is prefetched into L2, so the stream from memory goes on while the rows multiply.
-// The last K mod 8 inputs add one by one after the lanes' sum, in order.
+// Register tiles of R activation rows x C weight rows: each step of FLOAT_LANES inputs loads C
+// weight vectors and R activation vectors for R * C fused multiply-adds, the accumulators held
+// in registers over the whole of K (no partial sums in memory). A thread takes FLOAT_TILE_N
+// output columns at a time and passes the rows over them, all together up to FLOAT_ONE_GROUP
+// rows, else in groups of at most FLOAT_GROUP: the tile's weights come from memory once per
+// call, whatever M, and from L1/L2 for the later groups; meanwhile the tile after next is
+// prefetched into L2, so the stream from memory goes on while the rows multiply. The last
+// K mod FLOAT_LANES inputs add one by one after the lanes' sum, in order.
 //
-// Measured on the 2-core AVX2 machine over SmolLM2's matrices (30 layers of q/k/v, o, gate/up,
-// down, plus the LM head; benchmarks/verify_cost.py has the whole forward): 18.5-20.5 ms at 1
-// row against oneDNN's 28-33 ms, 25-31 ms at 9 rows against 59-75, 38-49 at 17 against 71-93;
-// at 256-512 rows (a prefill) within 0-20% of oneDNN. At 17 rows the FMAs run near the cores'
-// peak (2 per cycle); what is left at 9 is the overlap of the weight stream with them.
+// AVX2 (16 vector registers): 8 lanes, rows in groups of 4 and 3 (2 when M is 2 or 5), 12
+// accumulators per tile. Measured on a 2-core AVX2 machine over SmolLM2's matrices (30 layers
+// of q/k/v, o, gate/up, down, plus the LM head; benchmarks/verify_cost.py has the whole
+// forward): 18.5-20.5 ms at 1 row against oneDNN's 28-33 ms, 25-31 ms at 9 rows against 59-75,
+// 38-49 at 17 against 71-93; at 256-512 rows (a prefill) within 0-20% of oneDNN.
+//
+// AVX-512 (32 registers, where torch reports the capability and the kernel is built with
+// -mavx512f): 16 lanes -- lane j sums k = j mod 16, and the lanes add as j and j + 8 pairwise,
+// then sum_lanes' tree: a fixed order as with 8 lanes, so rows stay batch-invariant (another
+// order than the AVX2 build's; cpu_gemm.kernel_key names the build). Up to 12 rows pass over a
+// tile together, in tiles of up to 24 accumulators; more rows go in groups of 4 x 6 tiles. The
+// prefetches go in pairs of lines (the 128 bytes the L2's adjacent-line prefetcher fetches
+// together): with one line each, an even number of groups left one group fetching every pair
+// (5-8 and 13-16 rows took 1.2-1.3x the time of 9-12 and 17). Measured on the 2-core AVX-512
+// machine (SmolLM2's matrices, ms, interleaved with the AVX2 build of the same source):
+//   rows        1     5     9     12    17    33    256
+//   AVX2      19.7  32.7  29.6  31.9  37.6  56.1  381
+//   AVX-512   19.4  22.1  27.2  29.4  34.7  45.6  273
 
-constexpr int64_t FLOAT_TILE_N = 12;  // output columns per task step (R x C tiles below divide it)
+constexpr int64_t FLOAT_TILE_N = 12;  // output columns per task step (every tile's C divides it)
+
+#ifdef __AVX512F__
+constexpr int64_t FLOAT_LANES = 16;
+constexpr int64_t FLOAT_ONE_GROUP = 12;
+constexpr int64_t FLOAT_GROUP = 4;
+constexpr int64_t PREFETCH_LINES = 2;  // 64-byte lines fetched together
+
+inline float sum_lanes(__m512 v) {
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return sum_lanes(_mm256_add_ps(_mm512_castps512_ps256(v), high));
+}
+
+// R x C accumulators, C weight vectors and a row vector in 32 registers (7 x 4 is one over, and
+// measured as fast as 7 x 3); one row takes 4 columns at a time (it waits on memory anyway)
+constexpr int float_columns(int R) { return R == 1 ? 4 : R <= 4 ? 6 : R <= 7 ? 4 : R == 8 ? 3 : 2; }
+#else
+constexpr int64_t FLOAT_LANES = LANES;
+constexpr int64_t FLOAT_ONE_GROUP = 4;
+constexpr int64_t FLOAT_GROUP = 4;
+constexpr int64_t PREFETCH_LINES = 1;
+
+// 12 accumulators for any R (16 registers); one row takes 4 columns at a time (12 would load 12
+// weight vectors per row of FMAs)
+constexpr int float_columns(int R) { return R == 1 ? 4 : 12 / R; }
+#endif
+constexpr int64_t PREFETCH_SPAN = 16 * PREFETCH_LINES;  // inputs per prefetch step
 
 // A hint to fetch the cache line at p into L2 (L1 holds the tile being multiplied).
 inline void prefetch_l2(const float* p) {
@@ -341,18 +381,36 @@ inline void prefetch_l2(const float* p) {
 }
 
 // y[r, c] (row stride N) for R rows of x and C rows of w (both row stride K); `next`, if not
-// null, is weight rows to prefetch meanwhile (a later tile's, the same offsets): the 64-byte
-// lines at inputs phase, phase + every, ... (each group of rows of a tile fetches its share,
-// so that the fetches spread over the whole tile's multiplications).
+// null, is weight rows to prefetch meanwhile (a later tile's, the same offsets): PREFETCH_LINES
+// 64-byte lines at inputs phase, phase + every, ... (each group of rows of a tile fetches its
+// share, so that the fetches spread over the whole tile's multiplications).
 template <int R, int C>
-inline void float_tile(const float* x, const float* w, float* y, int64_t N, int64_t K, const float* next, int64_t phase = 0, int64_t every = 16) {
-  const int64_t body = K - K % LANES;
-#ifdef __AVX2__
+inline void float_tile(const float* x, const float* w, float* y, int64_t N, int64_t K, const float* next,
+                       int64_t phase = 0, int64_t every = PREFETCH_SPAN) {
+  const int64_t body = K - K % FLOAT_LANES;
+  int64_t due = next != nullptr ? phase : K;  // the input at which the next lines are fetched
+#if defined(__AVX512F__)
+  __m512 a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < body; k += FLOAT_LANES) {
+    if (k == due) {
+      for (int c = 0; c < C; ++c)
+        for (int64_t line = 0; line < PREFETCH_LINES; ++line) prefetch_l2(next + c * K + k + 16 * line);
+      due += every;
+    }
+    __m512 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_ps(w + c * K + k);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
+      for (int c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(wv[c], xv, a[r][c]);
+    }
+  }
+#elif defined(__AVX2__)
   __m256 a[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = _mm256_setzero_ps();
-  int64_t due = next != nullptr ? phase : K;  // the input at which the next line is fetched
-  for (int64_t k = 0; k < body; k += LANES) {
+  for (int64_t k = 0; k < body; k += FLOAT_LANES) {
     if (k == due) {
       for (int c = 0; c < C; ++c) prefetch_l2(next + c * K + k);
       due += every;
@@ -365,6 +423,7 @@ inline void float_tile(const float* x, const float* w, float* y, int64_t N, int6
     }
   }
 #else
+  (void)due;
   alignas(32) float a[R][C][LANES] = {};
   for (int64_t k = 0; k < body; k += LANES)
     for (int r = 0; r < R; ++r)
@@ -379,15 +438,35 @@ inline void float_tile(const float* x, const float* w, float* y, int64_t N, int6
     }
 }
 
-// R rows of x against `columns` (<= FLOAT_TILE_N) rows of w: C = FLOAT_TILE_N / R keeps 12
-// accumulators; one row takes 4 columns at a time (12 would load 12 weight vectors per FMA row).
+// R rows of x against `columns` (<= FLOAT_TILE_N) rows of w, float_columns(R) at a time.
 template <int R>
-void float_rows(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t columns, const float* next, int64_t phase = 0, int64_t every = 16) {
-  constexpr int C = R == 1 ? 4 : FLOAT_TILE_N / R;
+void float_rows(const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t columns, const float* next,
+                int64_t phase = 0, int64_t every = PREFETCH_SPAN) {
+  constexpr int C = float_columns(R);
   int64_t c = 0;
   for (; c + C <= columns; c += C)
     float_tile<R, C>(x, w + c * K, y + c, N, K, next == nullptr ? nullptr : next + c * K, phase, every);
   for (; c < columns; ++c) float_tile<R, 1>(x, w + c * K, y + c, N, K, nullptr);
+}
+
+// A group of `rows` (2 ... FLOAT_ONE_GROUP) rows against one tile.
+void float_group(int64_t rows, const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t columns,
+                 const float* next, int64_t phase, int64_t every) {
+  switch (rows) {
+#ifdef __AVX512F__
+    case 12: return float_rows<12>(x, w, y, N, K, columns, next, phase, every);
+    case 11: return float_rows<11>(x, w, y, N, K, columns, next, phase, every);
+    case 10: return float_rows<10>(x, w, y, N, K, columns, next, phase, every);
+    case 9: return float_rows<9>(x, w, y, N, K, columns, next, phase, every);
+    case 8: return float_rows<8>(x, w, y, N, K, columns, next, phase, every);
+    case 7: return float_rows<7>(x, w, y, N, K, columns, next, phase, every);
+    case 6: return float_rows<6>(x, w, y, N, K, columns, next, phase, every);
+    case 5: return float_rows<5>(x, w, y, N, K, columns, next, phase, every);
+#endif
+    case 4: return float_rows<4>(x, w, y, N, K, columns, next, phase, every);
+    case 3: return float_rows<3>(x, w, y, N, K, columns, next, phase, every);
+    default: return float_rows<2>(x, w, y, N, K, columns, next, phase, every);
+  }
 }
 
 void float_run(const float* x, const float* w, float* y, int64_t M, int64_t N, int64_t K) {
@@ -395,6 +474,9 @@ void float_run(const float* x, const float* w, float* y, int64_t M, int64_t N, i
   // about 64 KiB of weights per task at one row, fewer as rows add multiplications (as run's)
   const int64_t tile_bytes = FLOAT_TILE_N * K * static_cast<int64_t>(sizeof(float));
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, tile_bytes * (1 + std::min<int64_t>(M, 64) / 4)));
+  // groups of as even a size as FLOAT_GROUP allows (never one row alone when M > 1: a lone
+  // row's tile keeps 4 sums in flight and runs at about a third of the others' rate)
+  const int64_t groups = M <= FLOAT_ONE_GROUP ? 1 : (M + FLOAT_GROUP - 1) / FLOAT_GROUP;
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * FLOAT_TILE_N, columns = std::min(FLOAT_TILE_N, N - n0);
@@ -407,18 +489,9 @@ void float_run(const float* x, const float* w, float* y, int64_t M, int64_t N, i
         continue;
       }
       int64_t m = 0;
-      const int64_t groups = (M + 3) / 4;
       for (int64_t g = 0; g < groups; ++g) {
-        // groups of 4 and 3 rows (2 only when M is 2 or 5): a lone row's tile keeps 4 sums in
-        // flight and runs at about a third of the others' rate
         const int64_t rows = (M - m) / (groups - g);
-        const float* xg = x + m * K;
-        float* yg = y + m * N + n0;
-        switch (rows) {
-          case 4: float_rows<4>(xg, wt, yg, N, K, columns, next, 16 * g, 16 * groups); break;
-          case 3: float_rows<3>(xg, wt, yg, N, K, columns, next, 16 * g, 16 * groups); break;
-          default: float_rows<2>(xg, wt, yg, N, K, columns, next, 16 * g, 16 * groups); break;
-        }
+        float_group(rows, x + m * K, wt, y + m * N + n0, N, K, columns, next, PREFETCH_SPAN * g, PREFETCH_SPAN * groups);
         m += rows;
       }
     }
@@ -716,26 +789,37 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 // --- the FMA rate ---------------------------------------------------------------------------------
 //
-// fma_rate: 8-wide fused multiply-adds per second that the calling thread retires when nothing
-// waits on memory -- twelve independent chains, as many as float_mm's register tiles hold. The
-// compute floor of a forward of q rows is q times its multiply-adds over LANES times this rate
-// times the threads (benchmarks/verify_cost.py prints it beside T(q)).
+// fma_rate: multiply-adds per second that the calling thread retires in float_mm's vectors (16
+// lanes with AVX-512, else 8) when nothing waits on memory -- twelve independent chains of fused
+// multiply-adds. The compute floor of a forward of q rows is q times its multiply-adds over this
+// rate times the threads (benchmarks/verify_cost.py prints it beside T(q)).
 double fma_rate(int64_t iterations) {
   TORCH_CHECK(iterations > 0, "iterations must be positive");
-#ifdef __AVX2__
-  __m256 a[12];
-  const __m256 x = _mm256_set1_ps(0.999999f), y = _mm256_set1_ps(1e-7f);
-  for (int i = 0; i < 12; ++i) a[i] = _mm256_set1_ps(static_cast<float>(i));
+#if defined(__AVX512F__)
+  using Vector = __m512;
+  const auto fmadd = [](Vector a, Vector b, Vector c) { return _mm512_fmadd_ps(a, b, c); };
+  const auto splat = [](float v) { return _mm512_set1_ps(v); };
+  const auto first = [](Vector v) { return _mm512_cvtss_f32(v); };
+#elif defined(__AVX2__)
+  using Vector = __m256;
+  const auto fmadd = [](Vector a, Vector b, Vector c) { return _mm256_fmadd_ps(a, b, c); };
+  const auto splat = [](float v) { return _mm256_set1_ps(v); };
+  const auto first = [](Vector v) { return _mm256_cvtss_f32(v); };
+#endif
+#if defined(__AVX2__)
+  Vector a[12];
+  const Vector x = splat(0.999999f), y = splat(1e-7f);
+  for (int i = 0; i < 12; ++i) a[i] = splat(static_cast<float>(i));
   const auto start = std::chrono::steady_clock::now();
   for (int64_t n = 0; n < iterations; ++n)
-    for (int i = 0; i < 12; ++i) a[i] = _mm256_fmadd_ps(a[i], x, y);
+    for (int i = 0; i < 12; ++i) a[i] = fmadd(a[i], x, y);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   float sink = 0.0f;  // the chains' results are used, so the loop stays
-  for (int i = 0; i < 12; ++i) sink += _mm256_cvtss_f32(a[i]);
+  for (int i = 0; i < 12; ++i) sink += first(a[i]);
   TORCH_CHECK(std::isfinite(sink), "fma_rate: the chains overflowed");
-  return 12.0 * static_cast<double>(iterations) / seconds;
+  return 12.0 * static_cast<double>(FLOAT_LANES) * static_cast<double>(iterations) / seconds;
 #else
-  TORCH_CHECK(false, "ddtree_cpu.fma_rate measures AVX2 fused multiply-adds");
+  TORCH_CHECK(false, "ddtree_cpu.fma_rate measures AVX2 or AVX-512 fused multiply-adds");
 #endif
 }
 
