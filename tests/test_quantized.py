@@ -34,8 +34,9 @@ def kernel():
 
 # Shapes that break the kernel's tiling (workers/cpu_gemm.cpp, blocks_mm): 12 output columns per tile,
 # inputs decoded in chunks of at most 256 of even size, activation rows in register tiles of
-# 4 (then 3, 2, 1) and panels of 64; one row takes its own path.
-TILE_ROWS = [1, 2, 3, 4, 5, 7, 9, 17, 33, 64, 65, 130, 300]
+# 4 (then 3, 2, 1) and panels of 64; up to 5 rows (8 in an AVX-512 build) take the path that
+# decodes in registers, one row its own tile.
+TILE_ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 33, 64, 65, 130, 300]
 TILE_SHAPES = [(1, 32), (11, 96), (13, 256), (25, 288), (130, 576), (12, 800)]
 
 
