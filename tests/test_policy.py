@@ -12,7 +12,7 @@ import torch
 from ddtree.config import SamplingParams
 from ddtree.kernels.tree import Candidates, Lookup, build_tree, grow_tree
 from ddtree.workers.drafter import DFlashDrafter
-from ddtree.workers.policy import (DEPTH_MARGIN, EXPLORE, EXPLORE_SHARE, FIRST_PROBE, MIN_DRAFT_DEPTH, MIN_YIELD, Acceptance,
+from ddtree.workers.policy import (DEPTH_MARGIN, EXPLORE, EXPLORE_SHARE, FIRST_PROBE, HOPELESS_SHARE, MIN_DRAFT_DEPTH, MIN_YIELD, Acceptance,
                                     BudgetPolicy, CostCurve, by_bucket, depth_mass, expected_accepted, source_masses)
 from ddtree.workers.requests import Request
 from ddtree.workers.scheduler import BatchLimits, Scheduler
@@ -362,6 +362,35 @@ def test_a_long_stretch_without_drafting_does_not_end_probing():
         policy.observe_step(4, 1, 0.03, 0, 0.0, 0.0)
     # one stream again: a tree of 1 node costs 10% more and the best seen would accept .9 of it
     assert policy.plan(1, 0, [1, 2], [policy.sequence()]) == [True]
+
+
+def test_a_low_first_estimate_of_the_best_gains_does_not_stop_probing_for_good():
+    """Bug: the best gains seen (`hope`, what gates probes) are learned from drafted trees only.
+    In `ddtree bench` the warm-up's 8-token auto reply set them to 0.36 accepted tokens at Q = 5
+    (its first tree, the hardest to draft), which could not pay at one stream; so no later auto
+    sequence was probed, none ever drafted, the estimate never moved, and auto decoded ten
+    prompts plainly (1.09x plain where budget 4 ran 1.54x). A band now probes past `hope` once
+    EXPLORE steps have gone by and its last probe's net cost is HOPELESS_SHARE of its seconds
+    since."""
+    policy = BudgetPolicy(CostCurve({1: 0.010, 2: 0.011}))  # a 1-node tree pays from 0.1 accepted
+    policy.best_seen, policy.hope = {1: 0.0, 2: 0.05}, {1: 0.0, 2: 0.05}
+    probes = []
+    for step in range(600):  # one stream; a new reply every 100 steps, each as poor when tried
+        if step % 100 == 0:
+            estimate = policy.sequence()
+        drafts = policy.plan(1, 0, [1, 2], [estimate])
+        if policy.probed:
+            probes.append(step)
+            policy.observe_step(1, 2, 0.011, 1, 0.009, 0.0)  # no token accepted: 10 ms past a plain step
+            estimate.gain = {1: 0.0, 2: 0.05}  # as poor as the first estimate: it stays plain
+        else:
+            assert drafts == [False]
+            policy.observe_step(1, 1, 0.010, 0, 0.0, 0.0)
+    assert probes and probes[0] == EXPLORE - 1  # not never: at the EXPLORE-th step
+    assert policy.probe_cost(1) == pytest.approx(0.010)
+    gap = math.ceil(0.010 / HOPELESS_SHARE / 0.010)  # the probe's 10 ms at 0.5% of plain steps' time
+    assert all(b - a >= gap for a, b in zip(probes, probes[1:])), probes
+    assert len(probes) >= 2
 
 
 def test_probing_resumes_after_plain_stretches_rise_back_to_the_best_seen():
