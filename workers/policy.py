@@ -464,11 +464,7 @@ class BudgetPolicy:
         streams, once every 32 steps, a probe of the due sequences (a new wave's, each with its
         whole prompt for the drafter to take in) took 225 ms where its tokens took 130 plain:
         ~4% of the run."""
-        band = _band(batch)
-        if self.probe_yield(batch) >= MIN_YIELD:
-            return True
-        return (self._since_probe.get(band, 0) >= EXPLORE
-                and EXPLORE_SHARE * self._since_probe_s.get(band, 0.0) >= self.probe_cost(batch))
+        return self.probe_yield(batch) >= MIN_YIELD or self._explore(batch, EXPLORE_SHARE)
 
     def _overdue(self, batch: int) -> bool:
         """Whether `batch`'s band probes its due sequences even where the best gains seen say
@@ -478,9 +474,14 @@ class BudgetPolicy:
         8-token reply (its first tree, the hardest to draft) set them to 0.36 accepted tokens at
         Q = 5, no later sequence was ever probed, and auto decoded 10 prompts' 1200 steps plainly
         (1.09x plain; budget 4 ran 1.54x at tau 2.25)."""
+        return self._explore(batch, HOPELESS_SHARE)
+
+    def _explore(self, batch: int, share: float) -> bool:
+        """EXPLORE steps of `batch`'s band have gone by without a probe, and its last probe's
+        net cost is at most `share` of its seconds since."""
         band = _band(batch)
         return (self._since_probe.get(band, 0) >= EXPLORE
-                and HOPELESS_SHARE * self._since_probe_s.get(band, 0.0) >= self.probe_cost(batch))
+                and share * self._since_probe_s.get(band, 0.0) >= self.probe_cost(batch))
 
     def probe_cost(self, batch: int) -> float:
         """The net cost of the last probe in batches of `batch`'s band: its step's seconds past
