@@ -45,11 +45,11 @@
 namespace {
 
 constexpr int64_t GROUP = 32;    // weights per GGUF block
-constexpr int64_t LANES = 8;     // partial sums per output (AVX2)
+constexpr int64_t LANES = 8;     // partial sums per output (AVX2, and the scalar code)
 #ifdef __AVX512F__
-constexpr int64_t BLOCK_LANES = 16;  // blocks_mm's partial sums per output with AVX-512
+constexpr int64_t VLANES = 16;   // partial sums per output: the vectors' lanes
 #else
-constexpr int64_t BLOCK_LANES = LANES;
+constexpr int64_t VLANES = LANES;
 #endif
 constexpr int64_t TILE_N = 12;   // output columns decoded together (R x C tiles below divide it)
 constexpr int64_t TILE_K = 256;  // inputs decoded together at most: a 12 KiB buffer
@@ -132,9 +132,6 @@ inline float sum_lanes(__m512 v) {
   return sum_lanes(_mm256_add_ps(_mm512_castps512_ps256(v), high));
 }
 
-// BLOCK_LANES partial sums at a (64-byte aligned)
-inline float sum_lanes(const float* a) { return sum_lanes(_mm512_load_ps(a)); }
-
 // 16 bytes of 4-bit codes -> codes 0-15 (low nibbles), 16-31 (high nibbles) as floats
 inline void nibbles(const uint8_t* q, __m512 c[2]) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
@@ -165,107 +162,81 @@ inline void decode(Q8_0, const uint8_t* b, __m512 w[2]) {
   }
 }
 
-template <typename Block>
-inline void decode_block(Block, const uint8_t* b, float* w) {
-  __m512 v[2];
-  decode(Block{}, b, v);
-  for (int i = 0; i < 2; ++i) _mm512_storeu_ps(w + 16 * i, v[i]);
-}
-
-// acc[r][c][0..15] += the products of R activation rows (x, row stride K) and C decoded weight
-// columns (w, stride TILE_K) over `steps` spans of 16 inputs; acc rows are TILE_N * BLOCK_LANES apart.
-template <int R, int C>
-inline void multiply_tile(const float* x, int64_t K, const float* w, float* acc, int64_t steps) {
-  __m512 a[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) a[r][c] = _mm512_load_ps(acc + (r * TILE_N + c) * BLOCK_LANES);
-  int64_t s = 0;
-  do {
-    __m512 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = _mm512_load_ps(w + c * TILE_K + s * BLOCK_LANES);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * K + s * BLOCK_LANES);
-      for (int c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(wv[c], xv, a[r][c]);
-    }
-  } while (++s < steps);
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) _mm512_store_ps(acc + (r * TILE_N + c) * BLOCK_LANES, a[r][c]);
-}
-
-// few_rows (below) in 16 lanes: lane j adds k = j, j + 16, ... in order, as multiply_tile does.
-template <typename Block, int R, int C>
-inline void few_rows(const float* x, int64_t K, const uint8_t* rows, int64_t groups, float* y, int64_t N) {
-  __m512 a[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) a[r][c] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < groups; ++g) {
-    const float* xs = x + g * GROUP;
-    for (int c = 0; c < C; ++c) {
-      __m512 w[2];
-      prefetch(rows + ((c + C) * groups + g) * Block::BYTES);
-      decode(Block{}, rows + (c * groups + g) * Block::BYTES, w);
-      for (int r = 0; r < R; ++r)
-        for (int i = 0; i < 2; ++i) a[r][c] = _mm512_fmadd_ps(w[i], _mm512_loadu_ps(xs + r * K + 16 * i), a[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * N + c] = sum_lanes(a[r][c]);
-}
+// The vectors the GEMMs' loops below are written in: VLANES floats.
+using Vec = __m512;
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vload_aligned(const float* p) { return _mm512_load_ps(p); }
+inline void vstore_aligned(float* p, Vec v) { _mm512_store_ps(p, v); }
+inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vsplat(float v) { return _mm512_set1_ps(v); }
 #else
-inline float sum_lanes(const float* a) { return sum_lanes(_mm256_load_ps(a)); }
+using Vec = __m256;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vload_aligned(const float* p) { return _mm256_load_ps(p); }
+inline void vstore_aligned(float* p, Vec v) { _mm256_store_ps(p, v); }
+inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vsplat(float v) { return _mm256_set1_ps(v); }
+#endif
+constexpr int BLOCK_VECTORS = GROUP / VLANES;  // a decoded block's vectors
+
+// VLANES partial sums at a (aligned to the vector)
+inline float sum_lanes(const float* a) { return sum_lanes(vload_aligned(a)); }
 
 template <typename Block>
 inline void decode_block(Block, const uint8_t* b, float* w) {
-  __m256 v[4];
+  Vec v[BLOCK_VECTORS];
   decode(Block{}, b, v);
-  for (int i = 0; i < 4; ++i) _mm256_store_ps(w + 8 * i, v[i]);
+  for (int i = 0; i < BLOCK_VECTORS; ++i) vstore_aligned(w + VLANES * i, v[i]);
 }
 
-// acc[r][c][0..7] += the products of R activation rows (x, row stride K) and C decoded weight
-// columns (w, stride TILE_K) over `steps` spans of 8 inputs; acc rows are TILE_N * LANES apart.
+// acc[r][c][0..VLANES) += the products of R activation rows (x, row stride K) and C decoded
+// weight columns (w, stride TILE_K) over `steps` spans of VLANES inputs; acc rows are
+// TILE_N * VLANES apart.
 template <int R, int C>
 inline void multiply_tile(const float* x, int64_t K, const float* w, float* acc, int64_t steps) {
-  __m256 a[R][C];
+  Vec a[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) a[r][c] = _mm256_load_ps(acc + (r * TILE_N + c) * LANES);
+    for (int c = 0; c < C; ++c) a[r][c] = vload_aligned(acc + (r * TILE_N + c) * VLANES);
   int64_t s = 0;
-  do {  // steps >= 4; with a for loop GCC copied the 12 accumulators through the stack per call (-17%)
-    __m256 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = _mm256_load_ps(w + c * TILE_K + s * LANES);
+  do {  // steps >= 1; with a for loop GCC copied the 12 accumulators through the stack per call (-17%)
+    Vec wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = vload_aligned(w + c * TILE_K + s * VLANES);
     for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * K + s * LANES);
-      for (int c = 0; c < C; ++c) a[r][c] = _mm256_fmadd_ps(wv[c], xv, a[r][c]);
+      const Vec xv = vload(x + r * K + s * VLANES);
+      for (int c = 0; c < C; ++c) a[r][c] = vfmadd(wv[c], xv, a[r][c]);
     }
   } while (++s < steps);
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) _mm256_store_ps(acc + (r * TILE_N + c) * LANES, a[r][c]);
+    for (int c = 0; c < C; ++c) vstore_aligned(acc + (r * TILE_N + c) * VLANES, a[r][c]);
 }
 
-// R activation rows (1-5: plain decoding, a verify pass over a small tree, a drafter's first
-// depths) times C weight rows, each block decoded in registers once and used at once for all R
-// rows: the buffer of `tiles` pays for its stores and loads only when more rows share a decoded
-// block. The same sums as multiply_tile's, lane j adding k = j, j + 8, ... in order.
+// R activation rows (1-5, or 1-8 with AVX-512: plain decoding, a verify pass over a small tree,
+// a drafter's first depths) times C weight rows, each block decoded in registers once and used
+// at once for all R rows: the buffer of `tiles` pays for its stores and loads only when more rows
+// share a decoded block. The same sums as multiply_tile's, lane j adding k = j, j + VLANES, ...
+// in order.
 template <typename Block, int R, int C>
 inline void few_rows(const float* x, int64_t K, const uint8_t* rows, int64_t groups, float* y, int64_t N) {
-  __m256 a[R][C];
+  Vec a[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) a[r][c] = _mm256_setzero_ps();
+    for (int c = 0; c < C; ++c) a[r][c] = vzero();
   for (int64_t g = 0; g < groups; ++g) {
     const float* xs = x + g * GROUP;
     for (int c = 0; c < C; ++c) {
-      __m256 w[4];
+      Vec w[BLOCK_VECTORS];
       // the same block of the next C rows: reading C rows side by side left the hardware's
       // prefetcher behind (the Q8_0 LM head ran at a third of the old kernel's speed without it)
       prefetch(rows + ((c + C) * groups + g) * Block::BYTES);
       decode(Block{}, rows + (c * groups + g) * Block::BYTES, w);
       for (int r = 0; r < R; ++r)
-        for (int i = 0; i < 4; ++i) a[r][c] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xs + r * K + 8 * i), a[r][c]);
+        for (int i = 0; i < BLOCK_VECTORS; ++i) a[r][c] = vfmadd(w[i], vload(xs + r * K + VLANES * i), a[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) y[r * N + c] = sum_lanes(a[r][c]);
 }
-#endif
 
 template <typename Block, int R>
 void few_rows_columns(const float* x, const uint8_t* blocks, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
@@ -331,15 +302,15 @@ void multiply_rows(const float* x, int64_t K, const float* w, float* acc, int64_
   constexpr int C = TILE_N / R;
 #endif
   int64_t c = 0;
-  for (; c + C <= columns; c += C) multiply_tile<R, C>(x, K, w + c * TILE_K, acc + c * BLOCK_LANES, steps);
-  for (; c < columns; ++c) multiply_tile<R, 1>(x, K, w + c * TILE_K, acc + c * BLOCK_LANES, steps);
+  for (; c + C <= columns; c += C) multiply_tile<R, C>(x, K, w + c * TILE_K, acc + c * VLANES, steps);
+  for (; c < columns; ++c) multiply_tile<R, 1>(x, K, w + c * TILE_K, acc + c * VLANES, steps);
 }
 
 // Output columns of tiles [t0, t1) of y [M, N] from x [M, K] and W's blocks [N, K / 32, BYTES].
 template <typename Block>
 void tiles(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1) {
   alignas(64) float w[TILE_N * TILE_K];             // decoded weights [column][input]
-  alignas(64) float acc[PANEL_M * TILE_N * BLOCK_LANES];  // partial sums [row][column][lane]
+  alignas(64) float acc[PANEL_M * TILE_N * VLANES];  // partial sums [row][column][lane]
   const int64_t groups = K / GROUP;
   const int64_t chunks = std::max<int64_t>(1, (K + TILE_K - 1) / TILE_K);
   const int64_t span = (groups + chunks - 1) / chunks * GROUP;  // inputs per chunk, chunks of even size
@@ -347,7 +318,7 @@ void tiles(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N
     const int64_t n0 = t * TILE_N, columns = std::min(TILE_N, N - n0);
     for (int64_t m0 = 0; m0 < M; m0 += PANEL_M) {
       const int64_t rows = std::min(PANEL_M, M - m0);
-      std::fill(acc, acc + rows * TILE_N * BLOCK_LANES, 0.0f);
+      std::fill(acc, acc + rows * TILE_N * VLANES, 0.0f);
       for (int64_t k0 = 0; k0 < K; k0 += span) {
         const int64_t width = std::min(span, K - k0);
         for (int64_t c = 0; c < columns; ++c) {
@@ -358,17 +329,17 @@ void tiles(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N
           }
         }
         const float* xs = x + m0 * K + k0;
-        const int64_t steps = width / BLOCK_LANES;
+        const int64_t steps = width / VLANES;
         int64_t m = 0;
-        for (; m + 4 <= rows; m += 4) multiply_rows<4>(xs + m * K, K, w, acc + m * TILE_N * BLOCK_LANES, columns, steps);
+        for (; m + 4 <= rows; m += 4) multiply_rows<4>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps);
         switch (rows - m) {
-          case 3: multiply_rows<3>(xs + m * K, K, w, acc + m * TILE_N * BLOCK_LANES, columns, steps); break;
-          case 2: multiply_rows<2>(xs + m * K, K, w, acc + m * TILE_N * BLOCK_LANES, columns, steps); break;
-          case 1: multiply_rows<1>(xs + m * K, K, w, acc + m * TILE_N * BLOCK_LANES, columns, steps); break;
+          case 3: multiply_rows<3>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps); break;
+          case 2: multiply_rows<2>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps); break;
+          case 1: multiply_rows<1>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps); break;
         }
       }
       for (int64_t m = 0; m < rows; ++m)
-        for (int64_t c = 0; c < columns; ++c) y[(m0 + m) * N + n0 + c] = sum_lanes(acc + (m * TILE_N + c) * BLOCK_LANES);
+        for (int64_t c = 0; c < columns; ++c) y[(m0 + m) * N + n0 + c] = sum_lanes(acc + (m * TILE_N + c) * VLANES);
     }
   }
 }
@@ -426,14 +397,14 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& blocks, const std::s
 
 // --- float_mm: W float32 [N, K], read where it lies ------------------------------------------
 //
-// Register tiles of R activation rows x C weight rows: each step of FLOAT_LANES inputs loads C
+// Register tiles of R activation rows x C weight rows: each step of VLANES inputs loads C
 // weight vectors and R activation vectors for R * C fused multiply-adds, the accumulators held
 // in registers over the whole of K (no partial sums in memory). A thread takes FLOAT_TILE_N
 // output columns at a time and passes the rows over them, all together up to FLOAT_ONE_GROUP
 // rows, else in groups of at most FLOAT_GROUP: the tile's weights come from memory once per
 // call, whatever M, and from L1/L2 for the later groups; meanwhile the tile after next is
 // prefetched into L2, so the stream from memory goes on while the rows multiply. The last
-// K mod FLOAT_LANES inputs add one by one after the lanes' sum, in order.
+// K mod VLANES inputs add one by one after the lanes' sum, in order.
 //
 // AVX2 (16 vector registers): 8 lanes, rows in groups of 4 and 3 (2 when M is 2 or 5), 12
 // accumulators per tile. Measured on a 2-core AVX2 machine over SmolLM2's matrices (30 layers
@@ -457,7 +428,6 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& blocks, const std::s
 constexpr int64_t FLOAT_TILE_N = 12;  // output columns per task step (every tile's C divides it)
 
 #ifdef __AVX512F__
-constexpr int64_t FLOAT_LANES = 16;
 constexpr int64_t FLOAT_ONE_GROUP = 12;
 constexpr int64_t FLOAT_GROUP = 4;
 constexpr int64_t PREFETCH_LINES = 2;  // 64-byte lines fetched together
@@ -466,7 +436,6 @@ constexpr int64_t PREFETCH_LINES = 2;  // 64-byte lines fetched together
 // measured as fast as 7 x 3); one row takes 4 columns at a time (it waits on memory anyway)
 constexpr int float_columns(int R) { return R == 1 ? 4 : R <= 4 ? 6 : R <= 7 ? 4 : R == 8 ? 3 : 2; }
 #else
-constexpr int64_t FLOAT_LANES = LANES;
 constexpr int64_t FLOAT_ONE_GROUP = 4;
 constexpr int64_t FLOAT_GROUP = 4;
 constexpr int64_t PREFETCH_LINES = 1;
@@ -493,39 +462,23 @@ inline void prefetch_l2(const float* p) {
 template <int R, int C>
 inline void float_tile(const float* x, const float* w, float* y, int64_t N, int64_t K, const float* next,
                        int64_t phase = 0, int64_t every = PREFETCH_SPAN) {
-  const int64_t body = K - K % FLOAT_LANES;
+  const int64_t body = K - K % VLANES;
   int64_t due = next != nullptr ? phase : K;  // the input at which the next lines are fetched
-#if defined(__AVX512F__)
-  __m512 a[R][C];
+#ifdef __AVX2__
+  Vec a[R][C];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) a[r][c] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < body; k += FLOAT_LANES) {
+    for (int c = 0; c < C; ++c) a[r][c] = vzero();
+  for (int64_t k = 0; k < body; k += VLANES) {
     if (k == due) {
       for (int c = 0; c < C; ++c)
         for (int64_t line = 0; line < PREFETCH_LINES; ++line) prefetch_l2(next + c * K + k + 16 * line);
       due += every;
     }
-    __m512 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_ps(w + c * K + k);
+    Vec wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = vload(w + c * K + k);
     for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
-      for (int c = 0; c < C; ++c) a[r][c] = _mm512_fmadd_ps(wv[c], xv, a[r][c]);
-    }
-  }
-#elif defined(__AVX2__)
-  __m256 a[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) a[r][c] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < body; k += FLOAT_LANES) {
-    if (k == due) {
-      for (int c = 0; c < C; ++c) prefetch_l2(next + c * K + k);
-      due += every;
-    }
-    __m256 wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = _mm256_loadu_ps(w + c * K + k);
-    for (int r = 0; r < R; ++r) {
-      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
-      for (int c = 0; c < C; ++c) a[r][c] = _mm256_fmadd_ps(wv[c], xv, a[r][c]);
+      const Vec xv = vload(x + r * K + k);
+      for (int c = 0; c < C; ++c) a[r][c] = vfmadd(wv[c], xv, a[r][c]);
     }
   }
 #else
@@ -901,29 +854,18 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 // rate times the threads (benchmarks/verify_cost.py prints it beside T(q)).
 double fma_rate(int64_t iterations) {
   TORCH_CHECK(iterations > 0, "iterations must be positive");
-#if defined(__AVX512F__)
-  using Vector = __m512;
-  const auto fmadd = [](Vector a, Vector b, Vector c) { return _mm512_fmadd_ps(a, b, c); };
-  const auto splat = [](float v) { return _mm512_set1_ps(v); };
-  const auto first = [](Vector v) { return _mm512_cvtss_f32(v); };
-#elif defined(__AVX2__)
-  using Vector = __m256;
-  const auto fmadd = [](Vector a, Vector b, Vector c) { return _mm256_fmadd_ps(a, b, c); };
-  const auto splat = [](float v) { return _mm256_set1_ps(v); };
-  const auto first = [](Vector v) { return _mm256_cvtss_f32(v); };
-#endif
 #if defined(__AVX2__)
-  Vector a[12];
-  const Vector x = splat(0.999999f), y = splat(1e-7f);
-  for (int i = 0; i < 12; ++i) a[i] = splat(static_cast<float>(i));
+  Vec a[12];
+  const Vec x = vsplat(0.999999f), y = vsplat(1e-7f);
+  for (int i = 0; i < 12; ++i) a[i] = vsplat(static_cast<float>(i));
   const auto start = std::chrono::steady_clock::now();
   for (int64_t n = 0; n < iterations; ++n)
-    for (int i = 0; i < 12; ++i) a[i] = fmadd(a[i], x, y);
+    for (int i = 0; i < 12; ++i) a[i] = vfmadd(a[i], x, y);
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   float sink = 0.0f;  // the chains' results are used, so the loop stays
-  for (int i = 0; i < 12; ++i) sink += first(a[i]);
+  for (int i = 0; i < 12; ++i) sink += sum_lanes(a[i]);
   TORCH_CHECK(std::isfinite(sink), "fma_rate: the chains overflowed");
-  return 12.0 * static_cast<double>(FLOAT_LANES) * static_cast<double>(iterations) / seconds;
+  return 12.0 * static_cast<double>(VLANES) * static_cast<double>(iterations) / seconds;
 #else
   TORCH_CHECK(false, "ddtree_cpu.fma_rate measures AVX2 or AVX-512 fused multiply-adds");
 #endif
