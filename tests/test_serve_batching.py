@@ -26,10 +26,12 @@ WAIT_S = 60  # bound on polling for something that happens within a step or a me
 
 @pytest.fixture(scope="module")
 def slow_chat_model(tiny_chat_model, tmp_path_factory):
-    """A wider random llama (hidden 512, 10 layers) with SmolLM2's tokenizer: steps slow enough
-    that a 400-token completion is still running when its client goes away."""
+    """A wider random llama (hidden 512, 20 layers) with SmolLM2's tokenizer: steps slow enough
+    that a 400-token completion is still running when its client goes away. (With 10 layers and
+    the AVX-512 GEMMs, a full `make test` once saw all 400 tokens finish before the hang-up
+    reached the engine: no cancellation counted.)"""
     directory = tmp_path_factory.mktemp("slow-chat")
-    hf = make_hf_model("llama", vocab=49152, layers=10, hidden_size=512, intermediate_size=2048,
+    hf = make_hf_model("llama", vocab=49152, layers=20, hidden_size=512, intermediate_size=2048,
                        num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=512)
     hf.to(torch.float32).save_pretrained(directory)
     copy_tokenizer(tiny_chat_model, directory)
