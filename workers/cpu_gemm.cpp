@@ -415,26 +415,34 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& blocks, const std::s
 // AVX-512 (32 registers, where torch reports the capability and the kernel is built with
 // -mavx512f): 16 lanes -- lane j sums k = j mod 16, and the lanes add as j and j + 8 pairwise,
 // then sum_lanes' tree: a fixed order as with 8 lanes, so rows stay batch-invariant (another
-// order than the AVX2 build's; cpu_gemm.kernel_key names the build). Up to 12 rows pass over a
-// tile together, in tiles of up to 24 accumulators; more rows go in groups of 4 x 6 tiles. The
-// prefetches go in pairs of lines (the 128 bytes the L2's adjacent-line prefetcher fetches
+// order than the AVX2 build's; cpu_gemm.kernel_key names the build). Up to 7 rows pass over a
+// tile together, in tiles of up to 24 accumulators; more rows go in groups of at most 5 (tiles of
+// 4 x 6 and 5 x 4). The lanes of a tile's sums are added 16 vectors at a time (lane_sums: the
+// same tree, the pairs moved side by side by shuffles; 45 instructions for 16 sums instead of
+// 128). The prefetches go in pairs of lines (the 128 bytes the L2's adjacent-line prefetcher fetches
 // together): with one line each, an even number of groups left one group fetching every pair
 // (5-8 and 13-16 rows took 1.2-1.3x the time of 9-12 and 17). Measured on the 2-core AVX-512
 // machine (SmolLM2's matrices, ms, interleaved with the AVX2 build of the same source):
 //   rows        1     5     9     12    17    33    256
 //   AVX2      19.7  32.7  29.6  31.9  37.6  56.1  381
 //   AVX-512   19.4  22.1  27.2  29.4  34.7  45.6  273
+// Single tiles of 8-12 rows x 2-3 columns ran at ~0.75x the multiply-adds per second of 4 x 6
+// and 5 x 5 ones (11-14 loads per 24 multiply-adds, L1-resident), so 8 and more rows now go in
+// groups of at most 5; with lane_sums, against the build before them (ms, same run):
+//   rows        1     7     8     17    33    128   256
+//   before    20.1  24.9  25.5  35.1  48.0  147   300
+//   now       20.0  24.8  26.8  33.3  44.6  142   291
 
 constexpr int64_t FLOAT_TILE_N = 12;  // output columns per task step (every tile's C divides it)
 
 #ifdef __AVX512F__
-constexpr int64_t FLOAT_ONE_GROUP = 12;
-constexpr int64_t FLOAT_GROUP = 4;
+constexpr int64_t FLOAT_ONE_GROUP = 7;
+constexpr int64_t FLOAT_GROUP = 5;
 constexpr int64_t PREFETCH_LINES = 2;  // 64-byte lines fetched together
 
 // R x C accumulators, C weight vectors and a row vector in 32 registers (7 x 4 is one over, and
 // measured as fast as 7 x 3); one row takes 4 columns at a time (it waits on memory anyway)
-constexpr int float_columns(int R) { return R == 1 ? 4 : R <= 4 ? 6 : R <= 7 ? 4 : R == 8 ? 3 : 2; }
+constexpr int float_columns(int R) { return R == 1 ? 4 : R <= 4 ? 6 : 4; }
 #else
 constexpr int64_t FLOAT_ONE_GROUP = 4;
 constexpr int64_t FLOAT_GROUP = 4;
@@ -454,6 +462,58 @@ inline void prefetch_l2(const float* p) {
   __builtin_prefetch(p, 0, 2);
 #endif
 }
+
+#ifdef __AVX512F__
+// sum_lanes of many vectors at once, the same additions in the same tree: lanes j and j + 8,
+// then j and j + 4, j and j + 2, j and j + 1 -- each step adds two vectors' worth of pairs in
+// one vector (the pairs moved side by side by shuffles), so 16 sums take 4 + 2 + 1 + 1 adds.
+inline __m512 halves(__m512 a, __m512 b) {  // lanes 0-7: a_j + a_{j+8}; 8-15: the same of b
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+inline __m512 quarters(__m512 a, __m512 b) {  // 8-lane halves h of a, b: h_j + h_{j+4}, 4 lanes each
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+inline __m512 pairs(__m512 a, __m512 b) {  // in each 128-bit lane: a0 + a2, a1 + a3, b0 + b2, b1 + b3
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+}
+inline __m512 ones(__m512 a, __m512 b) {  // in each 128-bit lane: a0 + a1, a2 + a3, b0 + b1, b2 + b3
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+// out[i] = sum_lanes(v[i]) for i < n
+template <int n>
+inline void lane_sums(const __m512* v, float* out) {
+  alignas(64) float s[16];
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512* u = v + i;
+    const __m512 t0 = quarters(halves(u[0], u[1]), halves(u[2], u[3]));
+    const __m512 t1 = quarters(halves(u[4], u[5]), halves(u[6], u[7]));
+    const __m512 t2 = quarters(halves(u[8], u[9]), halves(u[10], u[11]));
+    const __m512 t3 = quarters(halves(u[12], u[13]), halves(u[14], u[15]));
+    _mm512_store_ps(s, ones(pairs(t0, t1), pairs(t2, t3)));
+    for (int m = 0; m < 16; ++m) out[i + m] = s[4 * (m & 3) + 2 * (m >> 3) + ((m >> 2) & 1)];
+  }
+  if (i + 8 <= n) {
+    const __m512* u = v + i;
+    const __m512 t0 = quarters(halves(u[0], u[1]), halves(u[2], u[3]));
+    const __m512 t1 = quarters(halves(u[4], u[5]), halves(u[6], u[7]));
+    const __m512 p = pairs(t0, t1);
+    _mm512_store_ps(s, ones(p, p));
+    for (int m = 0; m < 8; ++m) out[i + m] = s[4 * (m & 3) + (m >> 2)];
+    i += 8;
+  }
+  if (i + 4 <= n) {
+    const __m512* u = v + i;
+    const __m512 t = quarters(halves(u[0], u[1]), halves(u[2], u[3]));
+    const __m512 p = pairs(t, t);
+    _mm512_store_ps(s, ones(p, p));
+    for (int m = 0; m < 4; ++m) out[i + m] = s[4 * m];
+    i += 4;
+  }
+  for (; i < n; ++i) out[i] = sum_lanes(v[i]);
+}
+#endif
 
 // y[r, c] (row stride N) for R rows of x and C rows of w (both row stride K); `next`, if not
 // null, is weight rows to prefetch meanwhile (a later tile's, the same offsets): PREFETCH_LINES
@@ -489,9 +549,17 @@ inline void float_tile(const float* x, const float* w, float* y, int64_t N, int6
       for (int c = 0; c < C; ++c)
         for (int j = 0; j < LANES; ++j) a[r][c][j] = std::fma(w[c * K + k + j], x[r * K + k + j], a[r][c][j]);
 #endif
+#ifdef __AVX512F__
+  float sums[R][C];
+  lane_sums<R * C>(&a[0][0], &sums[0][0]);
+#endif
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) {
+#ifdef __AVX512F__
+      float sum = sums[r][c];
+#else
       float sum = sum_lanes(a[r][c]);
+#endif
       for (int64_t k = body; k < K; ++k) sum = std::fma(w[c * K + k], x[r * K + k], sum);
       y[r * N + c] = sum;
     }
@@ -508,16 +576,11 @@ void float_rows(const float* x, const float* w, float* y, int64_t N, int64_t K, 
   for (; c < columns; ++c) float_tile<R, 1>(x, w + c * K, y + c, N, K, nullptr);
 }
 
-// A group of `rows` (2 ... FLOAT_ONE_GROUP) rows against one tile.
+// A group of `rows` (2 ... max(FLOAT_ONE_GROUP, FLOAT_GROUP)) rows against one tile.
 void float_group(int64_t rows, const float* x, const float* w, float* y, int64_t N, int64_t K, int64_t columns,
                  const float* next, int64_t phase, int64_t every) {
   switch (rows) {
 #ifdef __AVX512F__
-    case 12: return float_rows<12>(x, w, y, N, K, columns, next, phase, every);
-    case 11: return float_rows<11>(x, w, y, N, K, columns, next, phase, every);
-    case 10: return float_rows<10>(x, w, y, N, K, columns, next, phase, every);
-    case 9: return float_rows<9>(x, w, y, N, K, columns, next, phase, every);
-    case 8: return float_rows<8>(x, w, y, N, K, columns, next, phase, every);
     case 7: return float_rows<7>(x, w, y, N, K, columns, next, phase, every);
     case 6: return float_rows<6>(x, w, y, N, K, columns, next, phase, every);
     case 5: return float_rows<5>(x, w, y, N, K, columns, next, phase, every);
