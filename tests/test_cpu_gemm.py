@@ -14,8 +14,9 @@ pytestmark = pytest.mark.skipif(not cpu_gemm.float_kernel(), reason="float_mm se
 
 # The kernel's tiling: 12 output columns per task step; with AVX2 rows in groups of 4 and 3 (2
 # when M is 2 or 5) in register tiles of 4 x 3, 3 x 4 and 2 x 6 columns, steps of 8 inputs;
-# with AVX-512 up to 12 rows in one group (tiles of R x 6, 4, 3 or 2 columns) and more in
-# groups of 4, steps of 16 inputs; columns past a multiple of a tile's one by one, a tail of K
+# with AVX-512 up to 9 rows in one group (tiles of R x 6, 4, 3 or 2 columns) and more in
+# groups of at most 5 (3, 4 or 5 rows), steps of 16 inputs, the lanes summed 16 outputs at a
+# time (then 8, 4, 1); columns past a multiple of a tile's one by one, a tail of K
 # mod the lanes added one by one; one row (4 columns at a time) has its own loop. These shapes
 # and row counts land in every branch of either build.
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 16, 17, 33, 65]

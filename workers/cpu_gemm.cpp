@@ -415,7 +415,7 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& blocks, const std::s
 // AVX-512 (32 registers, where torch reports the capability and the kernel is built with
 // -mavx512f): 16 lanes -- lane j sums k = j mod 16, and the lanes add as j and j + 8 pairwise,
 // then sum_lanes' tree: a fixed order as with 8 lanes, so rows stay batch-invariant (another
-// order than the AVX2 build's; cpu_gemm.kernel_key names the build). Up to 7 rows pass over a
+// order than the AVX2 build's; cpu_gemm.kernel_key names the build). Up to 9 rows pass over a
 // tile together, in tiles of up to 24 accumulators; more rows go in groups of at most 5 (tiles of
 // 4 x 6 and 5 x 4). The lanes of a tile's sums are added 16 vectors at a time (lane_sums: the
 // same tree, the pairs moved side by side by shuffles; 45 instructions for 16 sums instead of
@@ -426,23 +426,25 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& blocks, const std::s
 //   rows        1     5     9     12    17    33    256
 //   AVX2      19.7  32.7  29.6  31.9  37.6  56.1  381
 //   AVX-512   19.4  22.1  27.2  29.4  34.7  45.6  273
-// Single tiles of 8-12 rows x 2-3 columns ran at ~0.75x the multiply-adds per second of 4 x 6
-// and 5 x 5 ones (11-14 loads per 24 multiply-adds, L1-resident), so 8 and more rows now go in
-// groups of at most 5; with lane_sums, against the build before them (ms, same run):
-//   rows        1     7     8     17    33    128   256
-//   before    20.1  24.9  25.5  35.1  48.0  147   300
-//   now       20.0  24.8  26.8  33.3  44.6  142   291
+// Single tiles of 8-12 rows x 2-3 columns run at ~0.75x the multiply-adds per second of 4 x 6
+// and 5 x 5 ones (11-14 loads per 24 multiply-adds, L1-resident); up to 9 rows one pass over the
+// weights still pays (in the whole forward 8 rows took 0.96x, 9 rows 0.99x the time of two
+// groups), past 9 the groups of at most 5 do. With lane_sums, against the build before them (ms,
+// the same run):
+//   rows        1     5     8     9     12    17    33    128   256
+//   before    19.9  23.1  25.8  28.0  30.3  36.3  48.8  153   301
+//   now       20.2  23.1  25.8  28.5  30.7  34.0  45.4  146   302
 
 constexpr int64_t FLOAT_TILE_N = 12;  // output columns per task step (every tile's C divides it)
 
 #ifdef __AVX512F__
-constexpr int64_t FLOAT_ONE_GROUP = 7;
+constexpr int64_t FLOAT_ONE_GROUP = 9;
 constexpr int64_t FLOAT_GROUP = 5;
 constexpr int64_t PREFETCH_LINES = 2;  // 64-byte lines fetched together
 
 // R x C accumulators, C weight vectors and a row vector in 32 registers (7 x 4 is one over, and
 // measured as fast as 7 x 3); one row takes 4 columns at a time (it waits on memory anyway)
-constexpr int float_columns(int R) { return R == 1 ? 4 : R <= 4 ? 6 : 4; }
+constexpr int float_columns(int R) { return R == 1 ? 4 : R <= 4 ? 6 : R <= 7 ? 4 : R == 8 ? 3 : 2; }
 #else
 constexpr int64_t FLOAT_ONE_GROUP = 4;
 constexpr int64_t FLOAT_GROUP = 4;
@@ -581,6 +583,8 @@ void float_group(int64_t rows, const float* x, const float* w, float* y, int64_t
                  const float* next, int64_t phase, int64_t every) {
   switch (rows) {
 #ifdef __AVX512F__
+    case 9: return float_rows<9>(x, w, y, N, K, columns, next, phase, every);
+    case 8: return float_rows<8>(x, w, y, N, K, columns, next, phase, every);
     case 7: return float_rows<7>(x, w, y, N, K, columns, next, phase, every);
     case 6: return float_rows<6>(x, w, y, N, K, columns, next, phase, every);
     case 5: return float_rows<5>(x, w, y, N, K, columns, next, phase, every);
