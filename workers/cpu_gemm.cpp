@@ -168,16 +168,20 @@ inline Vec vzero() { return _mm512_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline Vec vload_aligned(const float* p) { return _mm512_load_ps(p); }
 inline void vstore_aligned(float* p, Vec v) { _mm512_store_ps(p, v); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec vsplat(float v) { return _mm512_set1_ps(v); }
+inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
 #else
 using Vec = __m256;
 inline Vec vzero() { return _mm256_setzero_ps(); }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline Vec vload_aligned(const float* p) { return _mm256_load_ps(p); }
 inline void vstore_aligned(float* p, Vec v) { _mm256_store_ps(p, v); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec vsplat(float v) { return _mm256_set1_ps(v); }
+inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
 #endif
 constexpr int BLOCK_VECTORS = GROUP / VLANES;  // a decoded block's vectors
 
@@ -752,41 +756,67 @@ void tile_scores(const float* const* q, const float* kp, const int64_t* keys, in
 }
 
 // The context's share of R rows' value sums (rows of one sequence and key-value head share its
-// keys): out[r][d0 ... d0 + 8 STEPS) = sum over t < n, in key order, of p[r][t] value t, not yet
-// divided by l -- each value vector loaded once for the R rows, every output lane its own chain
-// of fused multiply-adds in key order, held in registers, which finish_values continues over the
-// row's own block keys.
+// keys): out[r][d0 ... d0 + VLANES STEPS) = sum over t < n, in key order, of p[r][t] value t, not
+// yet divided by l -- each value vector loaded once for the R rows, every output lane its own
+// chain of fused multiply-adds in key order, held in registers, which finish_values continues
+// over the row's own block keys. A lane's chain is the same whatever the vectors' width, so the
+// AVX-512 build's 16 lanes sum exactly what 8 lanes do.
 template <int R, int STEPS>
 void context_values(const float* vp, const int64_t* keys, const float* const* p, int64_t n, int64_t d0, float* const* out) {
-  __m256 acc[R][STEPS];
+  Vec acc[R][STEPS];
   for (int r = 0; r < R; ++r)
-    for (int s = 0; s < STEPS; ++s) acc[r][s] = _mm256_setzero_ps();
+    for (int s = 0; s < STEPS; ++s) acc[r][s] = vzero();
   for (int64_t t = 0; t < n; ++t) {
     const float* v = vp + keys[t] + d0;
-    __m256 w[R];
-    for (int r = 0; r < R; ++r) w[r] = _mm256_broadcast_ss(p[r] + t);
+    Vec w[R];
+    for (int r = 0; r < R; ++r) w[r] = vsplat(p[r][t]);
     for (int s = 0; s < STEPS; ++s) {
-      const __m256 vs = _mm256_loadu_ps(v + s * HEAD_LANES);
-      for (int r = 0; r < R; ++r) acc[r][s] = _mm256_fmadd_ps(w[r], vs, acc[r][s]);
+      const Vec vs = vload(v + s * VLANES);
+      for (int r = 0; r < R; ++r) acc[r][s] = vfmadd(w[r], vs, acc[r][s]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int s = 0; s < STEPS; ++s) _mm256_storeu_ps(out[r] + d0 + s * HEAD_LANES, acc[r][s]);
+    for (int s = 0; s < STEPS; ++s) vstore(out[r] + d0 + s * VLANES, acc[r][s]);
 }
 
-// context_values over the whole head dimension, 32 outputs (4 vectors) per row at a time.
+// The same over 8 lanes: the last 8 of a head dimension that is an odd multiple of 8 (AVX-512).
+template <int R>
+void context_values8(const float* vp, const int64_t* keys, const float* const* p, int64_t n, int64_t d0, float* const* out) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; ++t) {
+    const __m256 vs = _mm256_loadu_ps(vp + keys[t] + d0);
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r][t]), vs, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out[r] + d0, acc[r]);
+}
+
+// context_values over the whole head dimension, 4 vectors per row at a time.
 template <int R>
 void rows_context_values(const float* vp, const int64_t* keys, const float* const* p, int64_t n, int64_t D, float* const* out) {
   int64_t d0 = 0;
-  for (; d0 + 4 * HEAD_LANES <= D; d0 += 4 * HEAD_LANES) context_values<R, 4>(vp, keys, p, n, d0, out);
-  for (; d0 < D; d0 += HEAD_LANES) context_values<R, 1>(vp, keys, p, n, d0, out);
+  for (; d0 + 4 * VLANES <= D; d0 += 4 * VLANES) context_values<R, 4>(vp, keys, p, n, d0, out);
+  for (; d0 + VLANES <= D; d0 += VLANES) context_values<R, 1>(vp, keys, p, n, d0, out);
+  for (; d0 < D; d0 += HEAD_LANES) context_values8<R>(vp, keys, p, n, d0, out);
 }
 
 // A row's value sums continued from out (its context's share) over its n block keys, in block
-// order, then divided by l. A row's result is the same whatever rows share its tile.
+// order, then divided by l; all of a row's vectors per key (independent chains). A row's result
+// is the same whatever rows share its tile.
 void finish_values(const float* vp, const int64_t* keys, const float* p, int64_t n, int64_t D, float l, float* out) {
+  int64_t d0 = 0;
+  for (; d0 + 4 * VLANES <= D; d0 += 4 * VLANES) {
+    Vec acc[4];
+    for (int s = 0; s < 4; ++s) acc[s] = vload(out + d0 + s * VLANES);
+    for (int64_t t = 0; t < n; ++t) {
+      const Vec w = vsplat(p[t]);
+      for (int s = 0; s < 4; ++s) acc[s] = vfmadd(w, vload(vp + keys[t] + d0 + s * VLANES), acc[s]);
+    }
+    const Vec sum = vsplat(l);
+    for (int s = 0; s < 4; ++s) vstore(out + d0 + s * VLANES, vdiv(acc[s], sum));
+  }
   const __m256 sum = _mm256_set1_ps(l);
-  for (int64_t d0 = 0; d0 < D; d0 += HEAD_LANES) {
+  for (; d0 < D; d0 += HEAD_LANES) {
     __m256 acc = _mm256_loadu_ps(out + d0);
     for (int64_t t = 0; t < n; ++t) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(vp + keys[t] + d0), acc);
     _mm256_storeu_ps(out + d0, _mm256_div_ps(acc, sum));
