@@ -423,8 +423,8 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& blocks, const std::s
 // tile together, in tiles of up to 24 accumulators; more rows go in groups of at most 5 (tiles of
 // 4 x 6 and 5 x 4). The lanes of a tile's sums are added 16 vectors at a time (lane_sums: the
 // same tree, the pairs moved side by side by shuffles; 45 instructions for 16 sums instead of
-// 128). The prefetches go in pairs of lines (the 128 bytes the L2's adjacent-line prefetcher fetches
-// together): with one line each, an even number of groups left one group fetching every pair
+// 128). The prefetches go in pairs of lines (the 128 bytes the L2's adjacent-line prefetcher
+// fetches together): with one line each, an even number of groups left one group fetching every pair
 // (5-8 and 13-16 rows took 1.2-1.3x the time of 9-12 and 17). Measured on the 2-core AVX-512
 // machine (SmolLM2's matrices, ms, interleaved with the AVX2 build of the same source):
 //   rows        1     5     9     12    17    33    256
@@ -472,7 +472,8 @@ inline void prefetch_l2(const float* p) {
 #ifdef __AVX512F__
 // sum_lanes of many vectors at once, the same additions in the same tree: lanes j and j + 8,
 // then j and j + 4, j and j + 2, j and j + 1 -- each step adds two vectors' worth of pairs in
-// one vector (the pairs moved side by side by shuffles), so 16 sums take 4 + 2 + 1 + 1 adds.
+// one vector (the pairs moved side by side by shuffles), so 16 sums take 15 vector adds and 30
+// shuffles instead of 16 x 8 instructions.
 inline __m512 halves(__m512 a, __m512 b) {  // lanes 0-7: a_j + a_{j+8}; 8-15: the same of b
   return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
 }
