@@ -135,20 +135,24 @@ def reference_attention(q, k, v, slots, lengths, mask) -> torch.Tensor:
     return out
 
 
+# head dimensions: 64 (4 vectors of 16 or 8 lanes at a time), 24 and 72 (one 16-lane vector and
+# then 8 lanes left over with AVX-512), 80 (four vectors and one more)
+@pytest.mark.parametrize("head_dim", [64, 24, 72, 80])
 @pytest.mark.parametrize("lengths,q_len", [([0], 1), ([5], 9), ([37, 0, 300], 5), ([1, 64], 17), ([3], 65)])
-def test_tree_attention_equals_float64_softmax(lengths, q_len):
-    case = pool_case(lengths, q_len, seed=q_len)
+def test_tree_attention_equals_float64_softmax(lengths, q_len, head_dim):
+    case = pool_case(lengths, q_len, head_dim=head_dim, seed=q_len)
     got, want = attention(*case), reference_attention(*case)
     assert got.dtype == torch.float32 and got.shape == case[0].shape
     assert (got.double() - want).abs().max() < 2e-5
 
 
-def test_a_tree_row_is_bitwise_plain_decoding_of_its_token():
+@pytest.mark.parametrize("head_dim", [64, 72])
+def test_a_tree_row_is_bitwise_plain_decoding_of_its_token(head_dim):
     """The lossless property the kernel is for: a verify row sees its context and then its
     ancestors in depth order; once the path is accepted, plain decoding of the same token sees
     the same keys as context. Both compute bitwise the same output (and a sequence's rows do not
     depend on the other sequences of the step or the thread count)."""
-    q, k, v, slots, lengths, mask = pool_case([41, 7, 0], 9, seed=3)
+    q, k, v, slots, lengths, mask = pool_case([41, 7, 0], 9, head_dim=head_dim, seed=3)
     threads = torch.get_num_threads()
     try:
         for t in (1, 2):
