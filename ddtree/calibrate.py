@@ -5,7 +5,14 @@ that cost is the machine's: flat up to a knee on a GPU, steep on a 2-core CPU. A
 engine times one forward through the scheduler's own target backend (in process, or the
 tensor-parallel shards) at row counts from 1 to `max_step_tokens`, and caches the curve per
 (target, weights, dtype, tp, machine, row limit) so later starts skip it. The live steps refine
-the curve from then on (workers.policy.CostCurve).
+the curve from then on (workers.policy.CostCurve), and measure it again where they contradict it
+(workers.policy.BudgetPolicy.misfit).
+
+A curve timed while another process ran on the machine is wrong for good once cached: one entry
+said T(1) 1215 ms and T(129) 623, where the forward took 30 and 174, and `auto` ran 0.53x budget
+4 on it. So a measured curve must be plausible (`plausible`: a forward over more rows does not take
+much less time) before it is cached -- else it is measured again -- and a cached one is checked at
+each start against a quick timing of a few of its counts (`SPOT_COUNTS`, ~0.2 s for SmolLM2).
 """
 
 from __future__ import annotations
@@ -36,18 +43,56 @@ def machine_key(engine, counts: list[int]) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 
+SPOT_COUNTS = (1, 17)  # the row counts a cached curve is checked at, each start ...
+SPOT_TOLERANCE = 2.0  # ... and how far off (either way) its points there may be before it is measured again
+DIP_TOLERANCE = 1.5  # a plausible curve: no count's forward takes under 1 / this of a smaller count's ...
+ATTEMPTS = 3  # ... else it is measured again, this many times at most (the last is kept, not cached)
+
+
+def plausible(seconds: dict[int, float]) -> bool:
+    """Whether a measured T(r) could be the machine's: a forward over more rows takes no less than
+    1 / DIP_TOLERANCE of one over fewer (the measurement's own noise dips a little; a slow minute
+    of a shared machine that fell on the small counts dips a lot)."""
+    slowest = 0.0
+    for _, s in sorted(seconds.items()):
+        if s * DIP_TOLERANCE < slowest:
+            return False
+        slowest = max(slowest, s)
+    return True
+
+
+def agrees(cached: dict[int, float], spot: dict[int, float]) -> bool:
+    """Whether a quick timing of a few counts agrees with the cached curve there (within
+    SPOT_TOLERANCE either way)."""
+    curve = CostCurve(cached)
+    return all(1 / SPOT_TOLERANCE <= s / max(curve.predict(r), 1e-12) <= SPOT_TOLERANCE for r, s in spot.items())
+
+
 def step_costs(engine) -> CostCurve:
-    """The cached T(r) of this engine and machine, or a fresh measurement (then cached)."""
+    """The cached T(r) of this engine and machine, if a quick timing agrees with it, or a fresh
+    measurement (cached when plausible)."""
     path = Path(os.environ.get("DDTREE_CALIBRATION", cache_root() / "calibration.json"))
     counts = measurable(engine.scheduler, row_counts(engine.scheduler.limits.max_step_tokens))
     key = machine_key(engine, counts)
     table = json.loads(path.read_text()) if path.is_file() else {}
     if key in table and "step_seconds" in table[key]:
-        return CostCurve({int(r): s for r, s in table[key]["step_seconds"].items()})
+        cached = {int(r): s for r, s in table[key]["step_seconds"].items()}
+        spot = measure_step_cost(engine.scheduler, [r for r in SPOT_COUNTS if r <= max(counts)], repeats=2)
+        if agrees(cached, spot):
+            return CostCurve(cached)
+        logger.warning("budget auto: the cached step cost (%s) disagrees with a timing now (%s); measuring again",
+                       CostCurve(cached), CostCurve(spot))
     started = time.perf_counter()
-    seconds = measure_step_cost(engine.scheduler, counts)
+    for attempt in range(1, ATTEMPTS + 1):
+        seconds = measure_step_cost(engine.scheduler, counts)
+        if plausible(seconds):
+            break
+        logger.warning("budget auto: a step-cost measurement that cannot be the machine's (is another process "
+                       "running?), attempt %d of %d: %s", attempt, ATTEMPTS, CostCurve(seconds))
     logger.info("budget auto: measured the target's step cost in %.1f s: %s", time.perf_counter() - started,
-                {r: f"{1000 * s:.1f} ms" for r, s in seconds.items()})
+                CostCurve(seconds))
+    if not plausible(seconds):
+        return CostCurve(seconds)  # the live steps measure it again if it is wrong (BudgetPolicy.misfit)
     table[key] = {"step_seconds": {str(r): s for r, s in seconds.items()}, "at": time.time()}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

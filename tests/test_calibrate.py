@@ -31,12 +31,16 @@ def test_step_costs_are_measured_once_per_machine_and_auto_stays_lossless(tiny_c
     assert first.scheduler.policy.verify.points == measured
     assert first.scheduler.pool.free_pages == first.scheduler.pool.num_pages, "the measurement's pages came back"
 
-    def no_second_measurement(*args, **kwargs):
-        raise AssertionError("the cached step costs should have been used")
+    timed = []
 
-    monkeypatch.setattr(calibrate, "measure_step_cost", no_second_measurement)
+    def only_a_spot_check(scheduler, counts, repeats=3):  # the machine agrees with its cached curve
+        timed.append(list(counts))
+        return {r: measured[r] for r in counts}
+
+    monkeypatch.setattr(calibrate, "measure_step_cost", only_a_spot_check)
     again = Engine.from_config(config)
     assert again.scheduler.policy.verify.points == measured
+    assert timed == [list(calibrate.SPOT_COUNTS)], "the cached step costs were checked, not measured again"
 
     prompt = again.render_chat([{"role": "user", "content": "hello"}])
     auto = again.generate([again.request(prompt, 12, SamplingParams())])[0]
@@ -89,3 +93,50 @@ def test_timings_taken_through_another_gemm_are_not_reused(tiny_chat_model, tmp_
     monkeypatch.setattr(target_model, "LINEAR_BACKEND", "torch")
     Engine.from_config(config)
     assert len(json.loads((tmp_path / "calibration.json").read_text())) == 2
+
+
+def test_a_cached_curve_the_machine_now_contradicts_is_measured_again(tiny_chat_model, tmp_path, monkeypatch):
+    """Bug: a start-up curve timed while another process ran on the machine was cached, and every
+    later start used it: T(1) 1215 ms and T(129) 623 where the forward took 30 and 174. Made
+    non-decreasing it was flat, every node looked free, and `auto` verified 64-node trees at 0.53x
+    budget 4. Each start now times a few counts (SPOT_COUNTS) and measures again where they
+    disagree with the cache."""
+    path = tmp_path / "calibration.json"
+    monkeypatch.setenv("DDTREE_CALIBRATION", str(path))
+    config = ModelPairConfig(model=str(tiny_chat_model), budget="auto", block_size=4, max_step_tokens=64)
+    Engine.from_config(config)
+    table = json.loads(path.read_text())
+    (key,) = table
+    sound = {int(r): s for r, s in table[key]["step_seconds"].items()}
+    poisoned = {r: 1000 * s for r, s in sound.items()}
+    table[key]["step_seconds"] = {str(r): s for r, s in poisoned.items()}
+    path.write_text(json.dumps(table))
+
+    again = Engine.from_config(config).scheduler.policy.verify.points
+    assert sorted(again) == sorted(sound) and all(again[r] < poisoned[r] / 10 for r in again)
+    assert json.loads(path.read_text())[key]["step_seconds"] == {str(r): s for r, s in again.items()}, "re-cached"
+
+
+def test_a_measurement_that_cannot_be_the_machines_is_taken_again_and_not_cached(tiny_chat_model, tmp_path,
+                                                                                   monkeypatch):
+    """A forward over 129 rows does not take a quarter of one over 65 (the poisoned curve above):
+    such a measurement is taken again, and one that stays implausible is used (the live steps
+    measure it again: BudgetPolicy.misfit) but never cached."""
+    path = tmp_path / "calibration.json"
+    monkeypatch.setenv("DDTREE_CALIBRATION", str(path))
+    assert calibrate.plausible({1: 0.030, 2: 0.029, 17: 0.045, 65: 0.098})
+    assert calibrate.plausible({1: 0.030, 2: 0.021})  # a dip of the measurement's own noise size
+    assert not calibrate.plausible({1: 1.215, 17: 1.245, 65: 2.488, 129: 0.623})
+    config = ModelPairConfig(model=str(tiny_chat_model), budget="auto", block_size=4, max_step_tokens=16)
+    counts = row_counts(16)
+    falling = {r: 1.0 / r for r in counts}
+    answers = [falling, {r: 0.001 * r for r in counts}]
+    monkeypatch.setattr(calibrate, "measure_step_cost", lambda scheduler, counts, repeats=3: answers.pop(0))
+    assert Engine.from_config(config).scheduler.policy.verify.points == {r: 0.001 * r for r in counts}
+    (entry,) = json.loads(path.read_text()).values()
+    assert entry["step_seconds"] == {str(r): 0.001 * r for r in counts}
+
+    path.unlink()
+    monkeypatch.setattr(calibrate, "measure_step_cost", lambda scheduler, counts, repeats=3: dict(falling))
+    assert Engine.from_config(config).scheduler.policy.verify.points == falling
+    assert not path.exists(), "an implausible curve is not cached"

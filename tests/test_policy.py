@@ -12,7 +12,8 @@ import torch
 from ddtree.config import SamplingParams
 from ddtree.kernels.tree import Candidates, Lookup, build_tree, grow_tree
 from ddtree.workers.drafter import DFlashDrafter
-from ddtree.workers.policy import (DEPTH_MARGIN, EXPLORE, EXPLORE_SHARE, FIRST_PROBE, HOPELESS_SHARE, MIN_DRAFT_DEPTH, MIN_YIELD, Acceptance,
+from ddtree.workers.policy import (DEPTH_MARGIN, EXPLORE, EXPLORE_SHARE, FIRST_PROBE, HOPELESS_SHARE, MIN_DRAFT_DEPTH, MIN_YIELD,
+                                    MISFIT_STEPS, Acceptance,
                                     BudgetPolicy, CostCurve, by_bucket, depth_mass, expected_accepted, source_masses)
 from ddtree.workers.requests import Request
 from ddtree.workers.scheduler import BatchLimits, Scheduler
@@ -338,6 +339,28 @@ def test_policy_grants_trees_where_rows_are_cheap_and_none_where_they_are_not(ti
     assert math.isclose(predicted, accepted, rel_tol=0.15), (predicted, accepted)
 
 
+def test_the_scheduler_measures_a_contradicted_curve_again_mid_run_and_the_tokens_stay_the_targets(tiny_checkpoint):
+    """The scheduler's side of `misfit`: told a curve ~10,000x the tiny target's real costs (and
+    flat, so every node looks free), it measures T(r) again between two steps, through its own
+    target and pool, and goes on; the measurement's pages go back, and every token is the
+    target's own."""
+    hf, target, _ = tiny_checkpoint("llama", 97)
+    prompt = [5, 6, 7]
+    reference = hf_greedy(hf, prompt, 40)
+    drafter = OracleDrafter(prompt + reference + [0] * 16, 97, 8, accuracy=0.8)
+    poisoned = {1: 10.0, 17: 10.0, 65: 20.0, 129: 5.0}
+    scheduler = Scheduler.local(target, drafter, "auto", BatchLimits(max_num_seqs=2, max_step_tokens=2 * 65),
+                                policy=BudgetPolicy(CostCurve(poisoned)))
+    results = scheduler.generate([Request(prompt, 40), Request(prompt, 40, sampling=SamplingParams(temperature=0.9, seed=3))])
+    assert results[0].tokens == reference
+    plain = SoloLoop.local(target, drafter).generate([Request(prompt, 40, sampling=SamplingParams(temperature=0.9, seed=3),
+                                                              budget=0)])[0]
+    assert results[1].tokens == plain.tokens
+    assert scheduler.stats()["recalibrations"] >= 1
+    assert all(s < 1.0 for s in scheduler.policy.verify.points.values()), scheduler.policy.verify.points
+    assert scheduler.pool.free_pages == scheduler.pool.num_pages
+
+
 def test_the_drafters_cold_first_pass_is_not_taken_as_its_cost():
     """Bug: the first drafter pass of a process runs cold (69 ms against ~10 warm for SmolLM2's
     drafter: it builds its draft-vocabulary head) and set the draft's cost curve; at one stream
@@ -527,6 +550,74 @@ def test_a_trees_far_ranks_are_corrected_apart_from_its_first():
     # node cost gains
     assert curve[-1] - curve[8] < 0.1 * (raw[-1] - raw[8])
     assert all(b >= a for a, b in zip(curve, curve[1:]))
+
+
+def test_a_start_up_curve_the_live_steps_contradict_is_measured_again():
+    """Bug: a start-up curve timed while another process ran (and cached) said T(1) 1215 ms,
+    T(17) 1245, T(65) 2488, T(129) 623, where the forward took 30, 49, 98 and 174. Made
+    non-decreasing it is flat, so every node looked free, and at one stream nothing corrected it:
+    the row factor learns only from batches whose plain step it has seen, and a lone sequence
+    that drafts every step takes none. auto verified 64-node trees at 0.53x budget 4. Now
+    MISFIT_STEPS steps in a row whose forward the curve mispredicts by over 2x ask for T(r) to
+    be measured again (the scheduler does it: `misfit`), and from the new curve the lone
+    sequence gets the tree that pays best on the machine's real costs."""
+    real = CostCurve({1: 0.0303, 2: 0.0307, 3: 0.0317, 5: 0.0325, 9: 0.0368, 17: 0.0486, 33: 0.0597,
+                      65: 0.0982, 129: 0.1739})
+    policy = BudgetPolicy(CostCurve({1: 1.215, 17: 1.245, 65: 2.488, 129: 0.623}), packed=True)
+    buckets, draft_s = [1, 2, 3, 5, 9, 17, 33, 65], 0.010
+    gains = [2.5 * (1 - math.exp(-n / 4)) for n in range(65)]  # a best-first tree's expected accepted tokens
+    granted = []
+    for step in range(40):
+        nodes = policy.choose(1, buckets, [gains], draft_s).nodes[0]
+        granted.append(nodes)
+        policy.observe_step(1, 65, real.predict(1 + nodes), 1, draft_s, 0.0, nodes=nodes)
+        if policy.misfit():
+            assert step == MISFIT_STEPS - 1 and policy.recalibrations == 0
+            policy.recalibrate(CostCurve({r: s for r, s in real.points.items() if r <= 129}))
+    assert granted[:MISFIT_STEPS] == [64] * MISFIT_STEPS  # every node looked free
+    assert policy.recalibrations == 1 and policy.misfits == 0
+    best = max(range(65), key=lambda n: (1 + gains[n]) / (real.predict(1 + n) + draft_s))
+    assert 2 <= best <= 12 and set(granted[MISFIT_STEPS:]) == {best}
+
+
+def test_a_misfit_must_last_and_each_re_measurement_asks_for_a_longer_one():
+    """One slow step (a page fault, another process's burst) is not a wrong curve: the misfit
+    must last MISFIT_STEPS steps in a row, and twice as many after every re-measurement, so a
+    machine that stays busy does not re-measure step after step."""
+    policy = BudgetPolicy(CostCurve({1: 0.030, 9: 0.040}), packed=True)
+
+    def tree_step(seconds):  # a lone sequence's 8 nodes: predicted T(9) = 40 ms (no plain step: T(1) stays)
+        policy.observe_step(1, 9, seconds, 1, 0.0, 0.0, nodes=8)
+
+    for _ in range(3 * MISFIT_STEPS):  # a slow step in every few: no streak
+        for seconds in [0.100] * (MISFIT_STEPS - 1) + [0.040]:
+            tree_step(seconds)
+            assert not policy.misfit()
+    tree_step(0.001)  # far too fast is a misfit as well
+    assert policy.misfits == 1
+    for _ in range(MISFIT_STEPS - 1):
+        tree_step(0.001)
+    assert policy.misfit()
+    policy.recalibrate(CostCurve({1: 0.030, 9: 0.040}))  # the machine's curve was right after all
+    assert not policy.misfit() and policy.verify.points == {1: 0.030, 9: 0.040}
+    for step in range(2 * MISFIT_STEPS):
+        assert not policy.misfit()
+        tree_step(0.001 if step % 2 else 0.100)
+    assert policy.misfit()
+    uncalibrated = BudgetPolicy(packed=True)
+    for _ in range(2 * MISFIT_STEPS):
+        uncalibrated.observe_step(1, 1, 0.030, 0, 0.0, 0.0)
+    assert not uncalibrated.misfit(), "no curve yet: nothing to contradict"
+
+
+def test_a_re_measurement_of_the_small_counts_scales_the_curve_above_them():
+    """The scheduler re-measures only the counts up to twice its step's rows (seconds, not the
+    start-up's 16): the old points above them keep their shape at the measured level."""
+    policy = BudgetPolicy(CostCurve({1: 1.0, 17: 1.0, 129: 4.0, 1024: 40.0}), packed=True)
+    policy.observe_step(1, 1, 0.5, 0, 0.0, 0.0)  # what the live steps taught goes with the old curve
+    policy.recalibrate(CostCurve({1: 0.030, 17: 0.050, 129: 0.200}))
+    assert policy.verify.points == pytest.approx({1: 0.030, 17: 0.050, 129: 0.200, 1024: 2.0})
+    assert policy.shape.points == policy.verify.points and policy.row_factor(1) == 1.0
 
 
 def test_the_row_factor_learns_each_tree_size_apart():

@@ -114,6 +114,8 @@ SIZE_PRIOR = 2.0  # a rank group's correction starts from its source's as if thi
 MIN_DRAFT_DEPTH = 4  # an auto sequence's draft asks for at least this many depths ...
 DEPTH_MARGIN = 2  # ... and this many past its last chosen tree's depth
 CONTEXT_ROWS = 8  # a draft taking in more context rows a sequence than this teaches c, not D(n)
+MISFIT = 2.0  # a target forward that took over this times, or under 1 / this of, what T(r) predicted ...
+MISFIT_STEPS = 8  # ... in this many steps in a row (doubling with each re-measurement) has T(r) measured again
 
 
 class CostCurve:
@@ -127,6 +129,9 @@ class CostCurve:
 
     def __bool__(self) -> bool:
         return bool(self.points)
+
+    def __str__(self) -> str:  # for the logs: size -> milliseconds
+        return ", ".join(f"{size}: {1000 * s:.1f} ms" for size, s in self.points.items())
 
     def predict(self, size: int) -> float:
         if not self.points:
@@ -288,11 +293,10 @@ class BudgetPolicy:
         # the first extra rows of a small batch nearly free), times a factor learned from the
         # steps with trees of batches of about that size (`_band`): faded sums of their measured
         # and their shape's extra seconds, from batches whose plain step was seen PLAIN_SEEN
-        # times (others' T(B) is still the guess)
-        self.calibrate(step_cost or CostCurve())  # verify, shape
-        # band, and (band, tree size `_size`) -> [measured, shape's] extra seconds
-        self._extra: dict[int | tuple[int, int], list[float]] = {}
-        self._plain_seen: dict[int, int] = {}
+        # times (others' T(B) is still the guess). `misfits`: the steps in a row whose forward
+        # the curve mispredicted by over MISFIT (`misfit`); `recalibrations`: re-measurements so far
+        self.recalibrations = 0
+        self.calibrate(step_cost or CostCurve())  # verify, shape, _extra, _plain_seen, misfits
         self.draft = CostCurve()  # D(n), the context rows' part taken out ...
         self.context_row_s = 0.0  # ... c: seconds per context row, from drafts that took in many (`observe_step`)
         # the drafter's first pass in a process runs cold (it builds its draft-vocabulary head,
@@ -333,13 +337,38 @@ class BudgetPolicy:
         over more rows never costs less). A start-up curve of T(1) 37 ms, T(2) and T(3) 31
         priced 1-3 nodes of a lone sequence at nothing (T1(1 + n) - T1(1) <= 0, which no row
         factor scales up): auto granted 3 nodes at 282 of ~380 steps, predicted their verify
-        at 32.9 ms, and it took 39.2."""
+        at 32.9 ms, and it took 39.2. What the live steps learned on top of an earlier curve
+        (the row factors, the plain steps seen) starts again."""
         self.verify = step_cost
         points, lowest = {}, math.inf
         for rows, seconds in sorted(step_cost.points.items(), reverse=True):
             lowest = min(lowest, seconds)
             points[rows] = lowest
         self.shape = CostCurve(points)
+        # band, and (band, tree size `_size`) -> [measured, shape's] extra seconds
+        self._extra: dict[int | tuple[int, int], list[float]] = {}
+        self._plain_seen: dict[int, int] = {}
+        self.misfits = 0
+
+    def misfit(self) -> bool:
+        """Whether the live steps contradict T(r) so that it should be measured again: the target's
+        forward took over MISFIT times (or under 1 / MISFIT of) what the curve predicted in
+        MISFIT_STEPS steps in a row, twice as many after each re-measurement. A start-up curve
+        measured while another process ran on the machine, and cached, said T(1) 1215 ms and
+        T(129) 623 (the forward took 30 and 174): made non-decreasing, the shape was flat, every
+        node looked free, and at one stream -- no plain step, so nothing the row factor could learn
+        from -- auto verified 64-node trees at 0.53x budget 4's tokens/s for good."""
+        return self.misfits >= MISFIT_STEPS << self.recalibrations
+
+    def recalibrate(self, measured: CostCurve) -> None:
+        """T(r) measured again (`misfit`), over the row counts up to some largest: its points
+        replace the curve's, and the curve's points above them are scaled by the ratio the largest
+        measured count found there."""
+        top = max(measured.points)
+        scale = measured.points[top] / max(self.verify.predict(top), 1e-12)
+        above = {r: s * scale for r, s in self.verify.points.items() if r > top}
+        self.recalibrations += 1
+        self.calibrate(CostCurve(measured.points | above))
 
     def sequence(self) -> SequenceEstimate:
         return SequenceEstimate(Acceptance(SEQ_DECAY, prior=self.batch))
@@ -672,6 +701,9 @@ class BudgetPolicy:
         else:
             self._since_probe_s[band] = self._since_probe_s.get(band, 0.0) + step_s
         if math.isfinite(verify_s) and verify_s > 0:
+            if self.verify:  # uncalibrated (no curve yet): nothing to contradict
+                ratio = verify_s / max(self.verify_s(batch, q, nodes), 1e-12)
+                self.misfits = self.misfits + 1 if not 1 / MISFIT <= ratio <= MISFIT else 0
             if not self.packed:
                 self.verify.observe(batch * q, verify_s)
             elif not nodes:

@@ -33,6 +33,7 @@ waits, first in line, to be prefilled again over its prompt and the tokens it al
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -50,7 +51,7 @@ from .requests import (Budget, Request, Result, RoundStats, Update, accepted_sou
 from .kv_pool import PageAllocator, PoolFull
 from .lookup import BATCH_DECAY as LOOKUP_BATCH_DECAY, LookupCalibration, SequenceLookup
 from .model import TreeBits
-from .policy import BudgetPolicy, SequenceEstimate, by_bucket
+from .policy import BudgetPolicy, CostCurve, SequenceEstimate, by_bucket, measure_step_cost
 
 # Verify row counts Q a step may use: a budget-2^k tree (2^k + 1 rows) fills its bucket exactly.
 VERIFY_BUCKETS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1025, 2049)
@@ -58,6 +59,11 @@ VERIFY_BUCKETS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1025, 2049)
 # when more): every step counts an auto sequence's rows for the policy, and one left plain for a
 # long reply would otherwise hold a tensor per step
 FEATURE_CHUNKS = 32
+# T(r) measured again mid-run (the live steps contradict it: BudgetPolicy.misfit) times the row
+# counts up to twice the step's rows, at least this many
+RECALIBRATION_ROWS = 129
+
+logger = logging.getLogger("ddtree")
 
 
 def bucket(rows: int) -> int:
@@ -459,9 +465,26 @@ class Scheduler:
                                          budget=granted_budget, predicted=predicted, probe=seq.id in probed,
                                          accepted_sources=accepted_sources(tree, path)))
         t5 = time.perf_counter()
+        nodes = sum(t.size - 1 for t in trees)
         self.policy.observe_step(len(rows), q_len, t3 - t2, len(drafting), draft_cost,
-                                 (t5 - t0) - (t3 - t2) - draft_cost, sum(t.size - 1 for t in trees), context)
+                                 (t5 - t0) - (t3 - t2) - draft_cost, nodes, context)
+        if self.policy.misfit() and any(s.budget == "auto" for s in rows):
+            self._recalibrate(len(rows) + nodes)
         return rows
+
+    def _recalibrate(self, step_rows: int) -> None:
+        """The target's T(r) measured again between two steps, where the live steps contradict
+        the policy's curve (BudgetPolicy.misfit), over the row counts up to twice this step's rows
+        (at least RECALIBRATION_ROWS): ~1.5 s for SmolLM2 on 2 cores, where the start-up's counts
+        up to 1024 rows take ~16. The measurement's pages come from the pool's free ones and go
+        back; a pool with none left waits for the next step."""
+        if not self.pool.free_pages:
+            return
+        most = min(self.limits.max_step_tokens, max(RECALIBRATION_ROWS, 2 * step_rows))
+        before, misfits = dict(self.policy.verify.points), self.policy.misfits
+        self.policy.recalibrate(CostCurve(measure_step_cost(self, row_counts(most), repeats=2)))
+        logger.warning("budget auto: the live steps contradicted the target's step cost %d steps in a row; measured "
+                       "again: %s (was %s)", misfits, self.policy.verify, CostCurve(before))
 
     def _lookup_branches(self, rows: list[_Sequence]) -> dict:
         """Row -> its lookup branch (kernels.tree.Lookup), for the rows with lookup on and a
@@ -557,4 +580,5 @@ class Scheduler:
         """The batch now: sequences running and waiting, KV pages free of all, and counts."""
         return {"running": len(self.running), "waiting": len(self.waiting) + len(self._arrivals),
                 "free_pages": self.pool.free_pages, "pages": self.pool.num_pages,
-                "preemptions": self.preemptions, "cancelled": self.cancelled}
+                "preemptions": self.preemptions, "cancelled": self.cancelled,
+                "recalibrations": self.policy.recalibrations}
