@@ -14,7 +14,7 @@ from ddtree.kernels.tree import Candidates, Lookup, build_tree, grow_tree
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.policy import (DEPTH_MARGIN, EXPLORE, EXPLORE_SHARE, FIRST_PROBE, HOPELESS_SHARE, MIN_DRAFT_DEPTH, MIN_YIELD,
                                     MISFIT_STEPS, Acceptance,
-                                    BudgetPolicy, CostCurve, by_bucket, depth_mass, expected_accepted, source_masses)
+                                    BudgetPolicy, CostCurve, TreeNodes, bin_of, by_bucket, tree_gains)
 from ddtree.workers.requests import Request
 from ddtree.workers.scheduler import BatchLimits, Scheduler
 from ddtree.workers.solo import SoloLoop
@@ -47,17 +47,18 @@ def worked_tree():
 
 def test_expected_accepted_tokens_of_the_worked_tree():
     tree = worked_tree()
-    mass = depth_mass(tree, [0, 1, 2, 3, 10])
-    expected = torch.tensor([[0, 0], [0.6, 0], [0.6, 0.48], [0.9, 0.48], [0.9, 0.48]], dtype=torch.float64)
-    torch.testing.assert_close(mass, expected)
+    nodes = TreeNodes.of(tree)
+    assert nodes.p == pytest.approx([0.6, 0.48, 0.3]) and nodes.depth == [1, 2, 1] and nodes.chain == [False] * 3
+    assert [bin_of(p) for p in nodes.p] == [0, 1, 1] and bin_of(0.05) == 2 and bin_of(0.049) == 3
     # a calibrated drafter: reach depth 1 with the depth-1 mass, depth 2 with the depth-2 mass
-    assert expected_accepted(mass).tolist() == pytest.approx(
-        [0, 0.6, 1.08, 1.38, 1.38])
-    # the drafter is right half as often as it believes at depth 1: depth 2 cannot be reached
-    # more often than depth 1 (.45), so 3 nodes expect .45 + .45
-    assert float(expected_accepted(mass[3] * torch.tensor([0.5, 1.0], dtype=torch.float64))) == pytest.approx(0.9)
+    assert tree_gains(nodes, [1.0] * 4) == pytest.approx([0, 0.6, 0.6 + 0.48, 0.9 + 0.48])
+    assert tree_gains(TreeNodes.of(tree, 2), [1.0] * 4) == pytest.approx([0, 0.6, 1.08])  # the first 2 nodes
+    # the drafter's nodes of p >= .5 are right a sixth as often as it believes: depth 1 is
+    # reached with .1 (+ .3 of the third node), and depth 2 cannot be reached more often than
+    # depth 1 (the path takes it only via depth 1)
+    assert tree_gains(nodes, [1 / 6, 1.0, 1.0, 1.0]) == pytest.approx([0, 0.1, 0.2, 0.4 + 0.4])
     # a factor never pushes a reach past certainty
-    assert float(expected_accepted(mass[1] * torch.tensor([3.0, 1.0], dtype=torch.float64))) == pytest.approx(1.0)
+    assert tree_gains(TreeNodes.of(tree, 1), [3.0, 1.0, 1.0, 1.0]) == pytest.approx([0, 1.0])
 
 
 def test_acceptance_factor_is_realized_over_predicted_hits():
@@ -84,13 +85,12 @@ def test_a_lookup_chain_is_counted_apart_from_the_drafters_nodes():
     5 -> 9 (.72), drafter 4 (.6)."""
     c = Candidates([[math.log(.6), math.log(.3)], [math.log(.8), math.log(.1)]], [[4, 5], [9, 4]])
     tree = grow_tree(7, c, 3, Lookup([5, 6], [math.log(.9), math.log(.5)], ngram=2))
-    drafted, chain = source_masses(tree, [1, 3], tree.on_chain())
-    torch.testing.assert_close(drafted, torch.tensor([[0, 0], [0.6, 0.72]], dtype=torch.float64))
-    torch.testing.assert_close(chain, torch.tensor([[0.9, 0], [0.9, 0]], dtype=torch.float64))
-    # a drafter right half as often as it believes: depth 1 reaches .5 x .6 + .9 -> 1 (capped),
-    # depth 2 .5 x .72
-    half = torch.tensor([0.5, 0.5], dtype=torch.float64)
-    assert float(expected_accepted(drafted[1] * half, chain[1])) == pytest.approx(1 + 0.36)
+    nodes = TreeNodes.of(tree)
+    assert nodes.p == pytest.approx([0.9, 0.72, 0.6]) and nodes.depth == [1, 2, 1]
+    assert nodes.chain == [True, False, False]
+    # a drafter right half as often as it believes: the chain's node counts as it is (.9), the
+    # drafter's at half: depth 1 reaches .9 + .5 x .6 -> 1 (capped), depth 2 .5 x .72
+    assert tree_gains(nodes, [0.5] * 4) == pytest.approx([0, 0.9, 0.9 + 0.36, 1 + 0.36])
 
     policy = BudgetPolicy(CostCurve({1: 1.0}))
     estimate = policy.sequence()
@@ -443,7 +443,7 @@ def test_lookup_chains_alone_do_not_correct_the_drafters_gains():
     assert policy.bias(drafted=True) == 1.0
     drafted = worked_tree()
     curve = policy.curve(drafted, policy.sequence(), 16)
-    assert curve[-1] == pytest.approx(float(expected_accepted(depth_mass(drafted, [drafted.size - 1])[0])))
+    assert curve[-1] == pytest.approx(0.9 + 0.48)  # the worked tree's own expected accepted tokens
     # and the drafted trees' own record moves their correction alone
     chains = policy.bias(drafted=False)
     for _ in range(20):

@@ -163,7 +163,7 @@ class CostCurve:
 
 @dataclass
 class Acceptance:
-    """Realized against predicted hits of the drafter's nodes per probability bin (`node_bins`;
+    """Realized against predicted hits of the drafter's nodes per probability bin (`bin_of`;
     module docstring: c_b)."""
 
     decay: float
@@ -177,9 +177,9 @@ class Acceptance:
         mass = self.mass[bin_] if bin_ < len(self.mass) else 0.0
         return _shrunk((hits, mass), base, PRIOR_WEIGHT)
 
-    def factors(self) -> torch.Tensor:
-        """[len(BINS) + 1] the factor of every bin."""
-        return torch.tensor([self.factor(b) for b in range(len(BINS) + 1)], dtype=torch.float64)
+    def factors(self) -> list[float]:
+        """The factor of every bin, [len(BINS) + 1]."""
+        return [self.factor(b) for b in range(len(BINS) + 1)]
 
     def observe(self, mass: list[float], hits: list[float]) -> None:
         """One round: per bin, `mass[b]` the summed probabilities of the tree's nodes it counts
@@ -196,49 +196,53 @@ class Acceptance:
             self.hits[i] += float(hits[i]) if i < len(hits) else 0.0
 
 
-def node_bins(tree: Tree) -> torch.Tensor:
-    """[size] each node's bin of its path probability p: 0 for p >= BINS[0], ..., len(BINS) for
-    p below the last edge (the root: 0; it is never counted)."""
-    p = tree.scores.exp()
-    return (p[:, None] < torch.tensor(BINS, dtype=p.dtype)).sum(-1)
+def bin_of(p: float) -> int:
+    """A node's bin of its path probability p: 0 for p >= BINS[0], ..., len(BINS) below the last."""
+    for b, edge in enumerate(BINS):
+        if p >= edge:
+            return b
+    return len(BINS)
 
 
-def depth_mass(tree: Tree, budgets: list[int], counted: torch.Tensor | None = None,
-               weights: torch.Tensor | None = None) -> torch.Tensor:
-    """[len(budgets), depth] the probability mass of the tree's first n nodes at each depth, for
-    n in `budgets` (a best-first tree: `Tree.scores` set); only the nodes `counted` ([size]
-    bool) marks, when given, each probability times its `weights` ([size]) when given."""
-    depths = int(tree.depths.max()) if tree.size > 1 else 0
-    if depths == 0:
-        return torch.zeros(len(budgets), 1, dtype=torch.float64)
-    p = tree.scores[1:].exp()
-    if counted is not None:
-        p = p * counted[1:]
-    if weights is not None:
-        p = p * weights[1:]
-    onehot = torch.zeros(tree.size - 1, depths, dtype=torch.float64)
-    onehot[torch.arange(tree.size - 1), tree.depths[1:] - 1] = p
-    cumulative = torch.cat([torch.zeros(1, depths, dtype=torch.float64), onehot.cumsum(0)])
-    return cumulative[torch.tensor([min(n, tree.size - 1) for n in budgets])]
+@dataclass
+class TreeNodes:
+    """A best-first tree's non-root nodes, in order, as Python lists: the policy's arithmetic
+    over a tree of <= 65 nodes runs in plain Python (as torch ops on such small tensors it took
+    ~0.3 ms a round at one stream)."""
+
+    p: list[float]  # each node's path probability (`Tree.scores`, exponentiated)
+    depth: list[int]
+    chain: list[bool]  # on a lookup chain (calibrated already), not the drafter's alone
+
+    @classmethod
+    def of(cls, tree: Tree, most: int | None = None) -> "TreeNodes":
+        """The first `most` nodes of `tree` (all by default)."""
+        end = tree.size if most is None else min(tree.size, most + 1)
+        chain = tree.on_chain()
+        return cls(tree.scores[1:end].exp().tolist(), tree.depths[1:end].tolist(),
+                   chain[1:end].tolist() if chain is not None else [False] * (end - 1))
 
 
-def source_masses(tree: Tree, budgets: list[int], chain: torch.Tensor | None,
-                  weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`depth_mass` of the drafter's own nodes (each probability times its `weights`: the
-    factors c_b of its bin) and of the lookup chain's (calibrated already; None without a
-    chain: the drafter's tree is one mass, as before lookup branches), each [len(budgets),
-    depth]. `chain`: `tree.on_chain()`."""
-    if chain is None:
-        return depth_mass(tree, budgets, weights=weights), None
-    return depth_mass(tree, budgets, ~chain, weights), depth_mass(tree, budgets, chain)
-
-
-def expected_accepted(mass: torch.Tensor, calibrated: torch.Tensor | None = None) -> torch.Tensor:
-    """[...] expected accepted tokens from [..., depth] masses (the drafter's, its factors c_b
-    applied: `source_masses`' weights), plus the [..., depth] masses of a lookup chain's."""
-    reach = mass if calibrated is None else mass + calibrated
-    reach = reach.clamp(max=1.0).cummin(dim=-1).values
-    return reach.sum(-1)
+def tree_gains(nodes: TreeNodes, factors: list[float]) -> list[float]:
+    """E(n), the expected accepted tokens of the tree's first n nodes, n = 0 ... all of them
+    (module docstring): node i adds its path probability to its depth's reach, times the factor
+    c_b of its bin (`factors`) when the drafter proposed it, as is on a lookup chain (whose
+    scores are calibrated already); the target's path reaches depth d with min(1, reach_1, ...,
+    reach_d) (it takes at most one node per depth, and reaches d only via d - 1), and E(n) sums
+    that over the depths."""
+    reach = [0.0] * (1 + max(nodes.depth, default=0))
+    out = [0.0]
+    for p, depth, on_chain in zip(nodes.p, nodes.depth, nodes.chain):
+        reach[depth] += p if on_chain else p * factors[bin_of(p)]
+        total, low = 0.0, 1.0
+        for r in reach[1:]:
+            if r < low:
+                low = r
+                if low <= 0.0:
+                    break
+            total += low
+        out.append(total)
+    return out
 
 
 @dataclass
@@ -543,9 +547,7 @@ class BudgetPolicy:
     def curve(self, tree: Tree, estimate: SequenceEstimate, most: int) -> list[float]:
         """This step's expected accepted tokens of `tree`'s first n nodes, n = 0 ... min(its
         nodes, most)."""
-        drafted, chain = source_masses(tree, list(range(min(tree.size - 1, most) + 1)), tree.on_chain(),
-                                       estimate.acceptance.factors()[node_bins(tree)])
-        return self._corrected(expected_accepted(drafted, chain).tolist(), _has_drafted(tree))
+        return self._corrected(tree_gains(TreeNodes.of(tree, most), estimate.acceptance.factors()), _has_drafted(tree))
 
     def chain_curve(self, branch: Lookup, most: int) -> list[float]:
         """`curve` of the tree that is `branch`'s lookup chain alone, without growing it: the
@@ -561,11 +563,11 @@ class BudgetPolicy:
     def _corrected(self, raw: list[float], drafted: bool) -> list[float]:
         """A gain curve (n = 0, 1, ...) with each node's marginal gain times the correction of
         its source at its rank (`bias`)."""
-        out, corrections = [raw[0]], {}
+        out, correction, group = [raw[0]], 1.0, 0
         for n in range(1, len(raw)):
-            if _size(n) not in corrections:
-                corrections[_size(n)] = self.bias(drafted, n)
-            out.append(out[-1] + (raw[n] - raw[n - 1]) * corrections[_size(n)])
+            if _size(n) != group:  # a new group of ranks (1, 2-3, 4-7, ...)
+                group, correction = _size(n), self.bias(drafted, n)
+            out.append(out[-1] + (raw[n] - raw[n - 1]) * correction)
         return out
 
     def bias(self, drafted: bool = True, rank: int | None = None) -> float:
@@ -660,9 +662,8 @@ class BudgetPolicy:
         self._step_accepted += len(path) - 1
         if tree.size == 1:
             return 0.0
-        nodes, bins = tree.on_chain(), node_bins(tree)
-        drafted, chain = source_masses(tree, list(range(tree.size)), nodes, estimate.acceptance.factors()[bins])
-        raw = expected_accepted(drafted, chain).tolist()  # [n] the first n nodes' expected accepted tokens
+        nodes = TreeNodes.of(tree)
+        raw = tree_gains(nodes, estimate.acceptance.factors())  # [n] the first n nodes' expected accepted tokens
         has_drafted = _has_drafted(tree)
         predicted = self._corrected(raw, has_drafted)[-1]
         _fade_in(self._bias[has_drafted], BIAS_DECAY, len(path) - 1, raw[-1])
@@ -676,12 +677,11 @@ class BudgetPolicy:
                      marginal[group])
         # the factors learn the drafter's own nodes (off the chain): per bin, their probabilities
         # and how many the path took
-        own = torch.ones(tree.size, dtype=torch.bool) if nodes is None else ~nodes
-        own[0] = False
-        taken = torch.zeros(tree.size, dtype=torch.bool)
-        taken[torch.as_tensor(path, dtype=torch.long)] = True
-        mass = torch.bincount(bins[own], weights=tree.scores[own].exp(), minlength=len(BINS) + 1).tolist()
-        hits = torch.bincount(bins[own & taken], minlength=len(BINS) + 1).tolist()
+        mass, hits, taken = [0.0] * (len(BINS) + 1), [0.0] * (len(BINS) + 1), set(path)
+        for i, (p, on_chain) in enumerate(zip(nodes.p, nodes.chain), start=1):
+            if not on_chain:
+                mass[bin_of(p)] += p
+                hits[bin_of(p)] += i in taken
         estimate.acceptance.observe(mass, hits)
         self.batch.observe(mass, hits)
         return predicted
