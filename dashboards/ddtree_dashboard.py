@@ -104,6 +104,14 @@ PANELS: tuple[PanelSpec, ...] = (
          (_rate("ray_ddtree_policy_accepted_count"), "auto rounds")),
     ),
     PanelSpec(
+        "Budget policy: step-cost re-measurements", "short",
+        "Budget auto: times each replica measured the target's step cost T(r) again since it started, "
+        "because its forwards took over 2x (or under half) what the curve predicted for 8 steps in a "
+        "row (16 after the first time, ...). A count that keeps rising means the machine's speed keeps "
+        "changing under the replica (another process on its cores).",
+        ((f"max by (replica) (ray_ddtree_policy_recalibrations{{{SELECTOR}}})", "{{replica}}"),),
+    ),
+    PanelSpec(
         "Round time by phase", "s",
         "Mean seconds per round in each phase: draft (drafter pass), tree (build), verify "
         "(target pass over the tree), commit (walk, KV compaction, stop checks).",

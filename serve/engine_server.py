@@ -213,7 +213,8 @@ class EngineServer:
     # --- streaming ---------------------------------------------------------------------------
 
     def _step_metrics(self, scheduler: Scheduler) -> None:
-        self.metrics.set_batch(running=len(scheduler.running), queued=len(scheduler.waiting))
+        self.metrics.set_batch(running=len(scheduler.running), queued=len(scheduler.waiting),
+                               recalibrations=scheduler.stats().get("recalibrations", 0))
 
     def _updates(self, request: Request) -> AsyncIterator[Update]:
         """The request's updates; raises ValueError or QueueFull at once if it cannot be queued."""

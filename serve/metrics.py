@@ -71,13 +71,20 @@ class EngineMetrics:
         self.errors = tagged(metrics.Counter(
             "ddtree_request_errors", description="Requests refused by the engine, by HTTP status.",
             tag_keys=("model", "status")))
+        self.recalibrations = tagged(metrics.Gauge(
+            "ddtree_policy_recalibrations", description="Budget auto: times the live steps contradicted the "
+            "target's step-cost curve and the scheduler measured it again, since the replica started.",
+            tag_keys=("model",)))
         self.running_gauge.set(0)
         self.queued_gauge.set(0)
+        self.recalibrations.set(0)
 
-    def set_batch(self, running: int, queued: int) -> None:
-        """The scheduler's batch after a step: sequences running, requests waiting."""
+    def set_batch(self, running: int, queued: int, recalibrations: int = 0) -> None:
+        """The scheduler's batch after a step: sequences running, requests waiting, and the budget
+        policy's re-measurements so far."""
         self.running_gauge.set(running)
         self.queued_gauge.set(queued)
+        self.recalibrations.set(recalibrations)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

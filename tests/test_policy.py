@@ -416,6 +416,35 @@ def test_a_low_first_estimate_of_the_best_gains_does_not_stop_probing_for_good()
     assert len(probes) >= 2
 
 
+def test_an_overdue_probe_takes_the_sequences_its_share_of_time_pays_for_not_every_one_due():
+    """Bug: a band's first overdue probe (none could pay, were it the best seen) had no earlier
+    probe's cost to wait for, and probed every sequence due: at 64 streams, all 64 new sequences
+    at once, the drafter taking in their 8,700 prompt rows (1.4 s of drafting for 78 accepted
+    tokens), and a wave of 51 more in the band below: auto ran 0.92x plain that pass. It now
+    probes those whose predicted net cost fits HOPELESS_SHARE of the band's seconds since its
+    last probe, fewest context rows first, and at least one."""
+    policy = BudgetPolicy(CostCurve({1: 0.030, 64: 0.100, 128: 0.180}), packed=True)
+    policy.draft = CostCurve({1: 0.008, 4: 0.026})
+    policy.context_row_s = 3e-5
+    policy.best_seen, policy.hope = {1: 0.0, 2: 0.1, 3: 0.2}, {1: 0.0, 2: 0.1, 3: 0.2}  # no probe could pay
+    estimates = [policy.sequence() for _ in range(64)]
+    for i, e in enumerate(estimates):
+        e.context = 100 + i  # each new sequence's prompt, for the drafter to take in
+    probes = []
+    for step in range(9 * EXPLORE):
+        policy.plan(64, 0, [1, 2, 3], estimates)
+        probes.append(sorted(policy.probed))
+        for i in policy.probed:  # as poor as hoped: no probed sequence drafts for its gains
+            estimates[i].gain = {1: 0.0, 2: 0.05, 3: 0.05}
+        policy.observe_step(64, 2 if policy.probed else 1, 0.100, len(policy.probed),
+                            0.020 * len(policy.probed), 0.0, nodes=len(policy.probed))  # ~20 ms past a plain step each
+    assert not any(probes[:EXPLORE - 1]) and probes[EXPLORE - 1] == [0], "one probe, the shortest prompt, first"
+    probed = [p for p in probes if p]
+    assert all(len(p) == 1 for p in probed), probed
+    # each probe waits for 0.5% of the band's plain time to pay for the last one's 20 ms (4 s: 40 steps)
+    assert 3 <= len(probed) <= 1 + (8 * EXPLORE * 0.100 * HOPELESS_SHARE) // 0.020, probed
+
+
 def test_probing_resumes_after_plain_stretches_rise_back_to_the_best_seen():
     """After poor gains eased the hope down, plain steps let it rise back to the best gains
     ever seen, so a workload that turned predictable again is probed (a changed workload is not
