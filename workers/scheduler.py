@@ -107,7 +107,7 @@ def grant(asked: list[int], limits: BatchLimits) -> tuple[list[int], int]:
     return [min(a, cap - 1) for a in asked], cap
 
 
-@dataclass
+@dataclass(eq=False)  # one sequence is itself alone: `in` and `remove` compare identity, not every field
 class _Sequence:
     """One request's state. Invariant between steps once prefilled: the pool holds positions
     [0, length) -- every committed token but the pending bonus output[-1], which sits at
@@ -507,7 +507,8 @@ class Scheduler:
                 self._make_room(seq, seq.length + q_len)
             except PoolFull:
                 pass  # it ended ("length") and is emitted as finished
-        keep = [i for i, s in enumerate(rows) if s in self.running and s.finish_reason is None]
+        running = set(self.running)
+        keep = [i for i, s in enumerate(rows) if s in running and s.finish_reason is None]
         return ([rows[i] for i in keep], [trees[i] for i in keep], [draft_s[i] for i in keep],
                 [granted[i] for i in keep], {new: gains[i] for new, i in enumerate(keep) if i in gains})
 
