@@ -492,7 +492,7 @@ class BudgetPolicy:
         within HOPELESS_SHARE of the band's seconds since its last probe. A band that had never
         probed (its last probe's cost 0) once probed every due sequence: at 64 streams all 64 new
         sequences at once, the drafter taking in their 8,700 prompt rows -- 1.4 s of drafting for
-        78 accepted tokens, then 570 ms more for a wave of 51 in the band below; auto ran 0.92x
+        78 accepted tokens, then 570 ms more for a wave of 51 in the band below; auto ran 0.91x
         plain that pass."""
         seconds = self._step_time(batch, fixed_drafting, fixed_nodes)
         allowance = HOPELESS_SHARE * self._since_probe_s.get(_band(batch), 0.0) + seconds(1, 0)
