@@ -29,7 +29,7 @@ import torch
 
 from .config import cache_root
 from .workers.model import linear_route
-from .workers.policy import CostCurve, measurable, measure_step_cost
+from .workers.policy import CostCurve, measurable, measure_step_cost, plausible
 from .workers.scheduler import row_counts
 
 logger = logging.getLogger("ddtree")
@@ -45,20 +45,7 @@ def machine_key(engine, counts: list[int]) -> str:
 
 SPOT_COUNTS = (1, 17)  # the row counts a cached curve is checked at, each start ...
 SPOT_TOLERANCE = 2.0  # ... and how far off (either way) its points there may be before it is measured again
-DIP_TOLERANCE = 1.5  # a plausible curve: no count's forward takes under 1 / this of a smaller count's ...
-ATTEMPTS = 3  # ... else it is measured again, this many times at most (the last is kept, not cached)
-
-
-def plausible(seconds: dict[int, float]) -> bool:
-    """Whether a measured T(r) could be the machine's: a forward over more rows takes no less than
-    1 / DIP_TOLERANCE of one over fewer (the measurement's own noise dips a little; a slow minute
-    of a shared machine that fell on the small counts dips a lot)."""
-    slowest = 0.0
-    for _, s in sorted(seconds.items()):
-        if s * DIP_TOLERANCE < slowest:
-            return False
-        slowest = max(slowest, s)
-    return True
+ATTEMPTS = 3  # an implausible measurement (workers.policy.plausible) is taken again, this many times at most
 
 
 def agrees(cached: dict[int, float], spot: dict[int, float]) -> bool:

@@ -639,6 +639,17 @@ def test_a_misfit_must_last_and_each_re_measurement_asks_for_a_longer_one():
     assert not uncalibrated.misfit(), "no curve yet: nothing to contradict"
 
 
+def test_a_re_measurement_that_cannot_be_the_machines_is_not_taken():
+    """A mid-run re-measurement timed while another process ran can dip (T(129) under a quarter
+    of T(65)); made non-decreasing it would price nodes at nothing. It is not taken, and the next
+    needs a misfit twice as long, as after any re-measurement."""
+    policy = BudgetPolicy(CostCurve({1: 0.030, 17: 0.050, 65: 0.100}), packed=True)
+    assert not policy.recalibrate(CostCurve({1: 1.215, 17: 1.245, 65: 2.488, 129: 0.623}))
+    assert policy.verify.points == {1: 0.030, 17: 0.050, 65: 0.100} and policy.recalibrations == 1
+    assert policy.recalibrate(CostCurve({1: 0.031, 2: 0.022, 17: 0.049}))  # a dip of the measurement's own noise
+    assert policy.verify.points[2] == 0.022 and policy.shape.points[1] == 0.022
+
+
 def test_a_re_measurement_of_the_small_counts_scales_the_curve_above_them():
     """The scheduler re-measures only the counts up to twice its step's rows (seconds, not the
     start-up's 16): the old points above them keep their shape at the measured level."""

@@ -117,6 +117,7 @@ DEPTH_MARGIN = 2  # ... and this many past its last chosen tree's depth
 CONTEXT_ROWS = 8  # a draft taking in more context rows a sequence than this teaches c, not D(n)
 MISFIT = 2.0  # a target forward that took over this times, or under 1 / this of, what T(r) predicted ...
 MISFIT_STEPS = 8  # ... in this many steps in a row (doubling with each re-measurement) has T(r) measured again
+DIP_TOLERANCE = 1.5  # a plausible T(r): no count's forward takes under 1 / this of a smaller count's
 
 
 class CostCurve:
@@ -365,15 +366,22 @@ class BudgetPolicy:
         from -- auto verified 64-node trees at 0.53x budget 4's tokens/s for good."""
         return self.misfits >= MISFIT_STEPS << self.recalibrations
 
-    def recalibrate(self, measured: CostCurve) -> None:
+    def recalibrate(self, measured: CostCurve) -> bool:
         """T(r) measured again (`misfit`), over the row counts up to some largest: its points
         replace the curve's, and the curve's points above them are scaled by the ratio the largest
-        measured count found there."""
+        measured count found there. A measurement that cannot be the machine's (`plausible`:
+        another process ran during it) is not taken -- made non-decreasing it would price nodes
+        at nothing -- and the next needs a misfit twice as long all the same. Returns whether it
+        was taken."""
+        self.recalibrations += 1
+        if not plausible(measured.points):
+            self.misfits = 0
+            return False
         top = max(measured.points)
         scale = measured.points[top] / max(self.verify.predict(top), 1e-12)
         above = {r: s * scale for r, s in self.verify.points.items() if r > top}
-        self.recalibrations += 1
         self.calibrate(CostCurve(measured.points | above))
+        return True
 
     def sequence(self) -> SequenceEstimate:
         return SequenceEstimate(Acceptance(SEQ_DECAY, prior=self.batch))
@@ -774,6 +782,18 @@ def _size(nodes: int) -> int:
 def _band(batch: int) -> int:
     """The batch sizes that share a row factor: 1, 2-3, 4-7, 8-15, ... (a power-of-two band)."""
     return batch.bit_length()
+
+
+def plausible(seconds: dict[int, float]) -> bool:
+    """Whether a measured T(r) could be the machine's: a forward over more rows takes no less than
+    1 / DIP_TOLERANCE of one over fewer (the measurement's own noise dips a little; a slow minute
+    of a shared machine that fell on the small counts dips a lot: T(65) 2488 ms, T(129) 623)."""
+    slowest = 0.0
+    for _, s in sorted(seconds.items()):
+        if s * DIP_TOLERANCE < slowest:
+            return False
+        slowest = max(slowest, s)
+    return True
 
 
 def measurable(scheduler, counts: list[int]) -> list[int]:

@@ -482,9 +482,11 @@ class Scheduler:
             return
         most = min(self.limits.max_step_tokens, max(RECALIBRATION_ROWS, 2 * step_rows))
         before, misfits = dict(self.policy.verify.points), self.policy.misfits
-        self.policy.recalibrate(CostCurve(measure_step_cost(self, row_counts(most), repeats=2)))
+        measured = CostCurve(measure_step_cost(self, row_counts(most), repeats=2))
+        taken = self.policy.recalibrate(measured)
         logger.warning("budget auto: the live steps contradicted the target's step cost %d steps in a row; measured "
-                       "again: %s (was %s)", misfits, self.policy.verify, CostCurve(before))
+                       "again: %s (was %s)%s", misfits, measured, CostCurve(before),
+                       "" if taken else "; not taken: it cannot be the machine's (is another process running?)")
 
     def _lookup_branches(self, rows: list[_Sequence]) -> dict:
         """Row -> its lookup branch (kernels.tree.Lookup), for the rows with lookup on and a
