@@ -710,8 +710,9 @@ class BudgetPolicy:
         mass, hits, taken = [0.0] * (len(BINS) + 1), [0.0] * (len(BINS) + 1), set(path)
         for i, (p, on_chain) in enumerate(zip(nodes.p, nodes.chain), start=1):
             if not on_chain:
-                mass[bin_of(p)] += p
-                hits[bin_of(p)] += i in taken
+                b = bin_of(p)
+                mass[b] += p
+                hits[b] += i in taken
         estimate.acceptance.observe(mass, hits)
         self.batch.observe(mass, hits)
         return predicted
