@@ -12,8 +12,8 @@ import torch
 from ddtree.config import SamplingParams
 from ddtree.kernels.tree import Candidates, Lookup, build_tree, grow_tree
 from ddtree.workers.drafter import DFlashDrafter
-from ddtree.workers.policy import (DEPTH_MARGIN, EXPLORE, EXPLORE_SHARE, FIRST_PROBE, HOPELESS_SHARE, MIN_DRAFT_DEPTH, MIN_YIELD,
-                                    MISFIT_STEPS, Acceptance,
+from ddtree.workers.policy import (DEPTH_MARGIN, EXPLORE, EXPLORE_SHARE, FIRST_PROBE, HOPELESS_SHARE, HORIZON,
+                                    MIN_DRAFT_DEPTH, MIN_YIELD, MISFIT_STEPS, Acceptance,
                                     BudgetPolicy, CostCurve, TreeNodes, bin_of, by_bucket, tree_gains)
 from ddtree.workers.requests import Request
 from ddtree.workers.scheduler import BatchLimits, Scheduler
@@ -793,3 +793,29 @@ def test_the_plans_step_cost_is_the_policys_own_pieces():
         expected = (policy.verify_s(3, q, 4 + k * (q - 1)) + policy.draft.predict(k + 1)
                     + policy._other(q).predict(3))
         assert seconds(q, k) == pytest.approx(expected), (q, k)
+
+
+def test_plan_spreads_an_idle_sequences_context_catch_up_over_the_rounds_it_has_left():
+    """A sequence that has not drafted for a while owes the drafter every target feature since:
+    charged whole to one step, that catch-up outweighed any single round's gain, so at 4 streams
+    the last sequence of a pass (alone in the batch, where drafting pays most) ran 20 steps plain
+    at 32 tokens/s where budget 4 ran 40. The plan spreads the rows past a round's steady ones
+    over the rounds it has left (at most HORIZON); a sequence about to finish still pays them
+    whole."""
+    policy = BudgetPolicy(CostCurve({1: 0.030, 4: 0.033}))
+    policy.draft = CostCurve({1: 0.005})
+    policy.context_row_s = 0.001  # 100 rows of catch-up: 100 ms, three plain steps
+    estimate = policy.sequence()
+    estimate.gain, estimate.context = {1: 0.0, 4: 1.2}, 100
+    # steady rows 2.2; the rest over min(HORIZON, 64 / 2.2) rounds
+    estimate.remaining = 64
+    assert estimate.priced_context() == pytest.approx(2.2 + 97.8 / HORIZON)
+    assert policy.plan(1, 0, [1, 4], [estimate]) == [True]  # 2.2 tokens in ~46 ms beats 1 in 30
+    estimate.remaining = 3  # ~1.4 rounds left: the catch-up is nearly all this step's
+    assert estimate.priced_context() == pytest.approx(2.2 + 97.8 * 2.2 / 3)
+    assert policy.plan(1, 0, [1, 4], [estimate]) == [False]
+    estimate.remaining = None  # unknown: charged whole, as before
+    assert estimate.priced_context() == 100
+    estimate.context = 2  # drafting every round: its rows are the steady ones
+    estimate.remaining = 64
+    assert estimate.priced_context() == 2

@@ -23,7 +23,8 @@ The model (README, "How budget: auto chooses"):
 - D(n) + c R: the drafter's pass over n sequences and growing their trees, plus c seconds per
   context row it takes in (R: the drafting sequences' target features since their last draft --
   a new sequence's whole prompt, an idle one's every token since: a probe of 16 new sequences at
-  16 streams spent 161 ms drafting where D(16) said 70); O(B): the rest of a step
+  16 streams spent 161 ms drafting where D(16) said 70; the plan spreads the rows past a round's
+  steady ones over the rounds the sequence has left, `priced_context`); O(B): the rest of a step
   (lookup branches, walk, commit), one curve for plain steps (Q = 1) and one for steps with
   trees, which cost more; all learned from the live steps.
 - E_s(n): the expected accepted tokens of sequence s's best-first tree of n nodes. DDTree grows
@@ -112,6 +113,7 @@ PLAIN_SEEN = 3  # ... and learns only from batches whose plain step was seen thi
 # .2 <= p < .5, 2 for .05 <= p < .2, 3 below
 BINS = (0.5, 0.2, 0.05)
 SIZE_PRIOR = 2.0  # a rank group's correction starts from its source's as if this many tokens were predicted
+HORIZON = 16  # the most rounds over which the plan spreads a sequence's context catch-up (`priced_context`)
 MIN_DRAFT_DEPTH = 4  # an auto sequence's draft asks for at least this many depths ...
 DEPTH_MARGIN = 2  # ... and this many past its last chosen tree's depth
 CONTEXT_ROWS = 8  # a draft taking in more context rows a sequence than this teaches c, not D(n)
@@ -259,7 +261,24 @@ class SequenceEstimate:
     probed: int | None = None  # the band of the batch it was last probed in, until its next plan says if it drafts
     depth: int | None = None  # the depth of its last tree the policy chose (None until it drafted once)
     drafted: int = 0  # its drafted trees so far
-    context: int = 0  # target features its next draft takes in (the scheduler sets it each step)
+    context: int = 0  # target features its next draft takes in (the scheduler sets it each step) ...
+    remaining: int | None = None  # ... and the tokens it may still emit (None: unknown)
+
+    def priced_context(self) -> float:
+        """The context rows the plan charges its draft for: a sequence that drafts every round takes
+        in its last round's tokens (~1 + its gain), and one idle for a while all of them since --
+        a catch-up paid once, after which it drafts at the steady rows again. Charged whole to
+        one step, the catch-up outweighed any one round's gain, so a sequence idle for long
+        stayed plain where drafting paid: at 4 streams, the last sequence left of a pass (one
+        stream) ran 20 steps at 32 tokens/s with one draft where budget 4 ran 40. So the rows past
+        the steady ones are spread over the rounds it has left, at most HORIZON (its gain
+        estimates turn over within ~10 rounds: a catch-up is worth paying only for rounds the
+        estimate still vouches for)."""
+        steady = 1 + max((self.gain or {0: 0.0}).values())
+        if self.context <= steady or self.remaining is None:
+            return float(self.context)
+        rounds = max(1.0, min(HORIZON, self.remaining / steady))
+        return steady + (self.context - steady) / rounds
 
     def draft_depth(self, most: int) -> int:
         """The depths its next draft asks of the drafter: DEPTH_MARGIN past its last chosen
@@ -443,7 +462,7 @@ class BudgetPolicy:
         plain, rows_s = self.verify.predict(batch), self._rows_s(batch)
         draft, other = {}, {}
 
-        def seconds(q: int, k: int, context: int = 0) -> float:
+        def seconds(q: int, k: int, context: float = 0.0) -> float:
             verify = plain + rows_s(fixed_nodes + k * (q - 1)) if self.packed else self.verify.predict(batch * q)
             drafting = k + fixed_drafting
             if drafting not in draft:
@@ -464,7 +483,7 @@ class BudgetPolicy:
             return []
         band = _band(batch)
         due = {i for i, e in enumerate(estimates) if e.gain is None or e.idle >= e.probe_after}
-        context = {i: e.context for i, e in enumerate(estimates)}
+        context = {i: e.priced_context() for i, e in enumerate(estimates)}
         chosen = set(self._best_set(batch, fixed_drafting, fixed_nodes, buckets, {
             i: e.gain for i, e in enumerate(estimates) if i not in due}, context))
         for i, e in enumerate(estimates):  # what the probes of its last step came to
@@ -475,7 +494,8 @@ class BudgetPolicy:
         if not self.probing(batch):  # the due sequences wait (idle) for a band whose probes pay
             due = set()
         if due and self.hope is not None and max(buckets) > 1 and self._overdue(batch):
-            due = self._affordable(batch, fixed_drafting, fixed_nodes, due, context)
+            whole = {i: e.context for i, e in enumerate(estimates)}  # a probe pays its catch-up whole
+            due = self._affordable(batch, fixed_drafting, fixed_nodes, due, whole)
         elif due and self.hope is not None:  # probe those that could pay, were they the best seen
             hopeful = {i: (self.hope if i in due else e.gain) for i, e in enumerate(estimates)}
             due &= set(self._best_set(batch, fixed_drafting, fixed_nodes, buckets, hopeful, context))
@@ -552,7 +572,7 @@ class BudgetPolicy:
         return self._probe_cost.get(_band(batch), 0.0)
 
     def _best_set(self, batch: int, fixed_drafting: int, fixed_nodes: int, buckets: list[int],
-                  gains: dict[int, dict[int, float]], context: dict[int, int] | None = None) -> list[int]:
+                  gains: dict[int, dict[int, float]], context: dict[int, float] | None = None) -> list[int]:
         """The sequences (keys of `gains`) whose drafting gives the highest predicted rate at
         the best Q: for each Q, the k with the largest gains, for every k; `context`: each
         one's rows for the drafter to take in (priced at `context_row_s`)."""

@@ -349,6 +349,7 @@ class Scheduler:
         pending = {b: sum(f.shape[1] for f in rows[b].features) for b in auto + fixed}
         for b in auto:
             rows[b].estimate.context = pending[b]
+            rows[b].estimate.remaining = rows[b].request.max_tokens - len(rows[b].output)
         plan = self.policy.plan(len(rows), len(fixed), buckets, [rows[b].estimate for b in auto],
                                 sum(granted[b] for b in fixed))
         probed = {rows[auto[i]].id for i in self.policy.probed}  # ids: `_reserve` may drop rows
