@@ -8,6 +8,11 @@ concurrency whose order is rotated and then reversed (so drift on a shared machi
 each cell sums its passes), in one process, one engine (budget auto: the policy keeps what it
 learned, as a server would).
 
+With one max tokens for every request (the default), plain decoding's streams all finish at the
+same step and its batch never drains, while any budget that speeds some sequences more than
+others ends each pass in a ragged drain of small batches; `--length-spread s` gives request i
+its own max tokens, drawn (seed 7) from max-tokens x [1 - s, 1 + s], the same for every budget.
+
 Reported per table: aggregate tokens/s per budget, auto / best fixed budget, auto / plain, the
 same over the steps that began with every stream busy (ddtree.load_bench: the drain at the end of
 a pass, fewer than c streams, left out), auto's granted-budget distribution and predicted vs
@@ -15,13 +20,15 @@ realized accepted tokens.
 
     python benchmarks/budget_policy.py [--concurrency 1,4,16,64] [--budgets 0,4,8,16,chain]
         [--per-file 4] [--max-tokens 64] [--requests-per-stream 2] [--min-requests 12]
-        [--max-requests 64] [--warm-up 12] [--settle 0] [--lookup] [--files a.jsonl,b.jsonl] [--json out.json]
+        [--max-requests 64] [--warm-up 12] [--settle 0] [--lookup] [--files a.jsonl,b.jsonl]
+        [--length-spread 0.5] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import time
 from pathlib import Path
 
@@ -63,6 +70,10 @@ def main() -> None:
     parser.add_argument("--files", default=",".join(FILES),
                         help="the prompt files the tables run (interleaved; the warm-up takes all three): one file "
                              "shows what `auto` does on one domain")
+    parser.add_argument("--length-spread", type=float, default=0.0,
+                        help="each request's max tokens drawn (seed 7) from max-tokens x [1 - s, 1 + s], the same "
+                             "lengths for every budget: with one length for all, plain decoding's streams finish in "
+                             "lockstep and its batch never drains, which no server's mixed lengths give it")
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -83,13 +94,14 @@ def main() -> None:
     tables = []
     for i, c in enumerate(levels):
         requests = min(args.max_requests, max(args.min_requests, int(round(c * args.requests_per_stream))))
+        lengths = spread_lengths(args.max_tokens, args.length_spread, requests)
         order = budgets[i % len(budgets):] + budgets[: i % len(budgets)]
         rows = {}
         for _ in range(args.settle):
-            load_bench.run_inprocess(engine, prompts, "auto", c, c, args.max_tokens)
+            load_bench.run_inprocess(engine, prompts, "auto", c, c, lengths)
         for p in range(args.passes):
             for budget in (order if p % 2 == 0 else order[::-1]):
-                r = load_bench.run_inprocess(engine, prompts, budget, c, requests, args.max_tokens)
+                r = load_bench.run_inprocess(engine, prompts, budget, c, requests, lengths)
                 print(f"  streams {c} budget {budget} pass {p + 1}: {r.tokens_per_s:.1f} tok/s "
                       f"(every stream busy: {r.busy_tokens_per_s:.1f}), tau {r.tau or 0:.2f}",
                       flush=True)
@@ -100,12 +112,24 @@ def main() -> None:
 
     print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {engine.config.dtype}, "
           f"weights {engine.config.weights}; {len(prompts)} prompts ({' / '.join(files)} "
-          f"interleaved), {args.max_tokens} new tokens, greedy")
+          f"interleaved), {args.max_tokens} new tokens"
+          + (f" (each request's drawn from x [{1 - args.length_spread:g}, {1 + args.length_spread:g}])"
+             if args.length_spread else "") + ", greedy")
     for c, requests, rows in tables:
         print(table(c, requests, rows))
     if args.json:
         Path(args.json).write_text(json.dumps(
             [{"streams": c, "requests": n, "rows": [r.summary() for r in rows]} for c, n, rows in tables], indent=2))
+
+
+def spread_lengths(max_tokens: int, spread: float, requests: int) -> int | list[int]:
+    """Each request's max tokens: `max_tokens` for all, or drawn uniformly (seed 7) from
+    max_tokens x [1 - spread, 1 + spread], one list that every budget runs alike."""
+    if not spread:
+        return max_tokens
+    rng = random.Random(7)
+    low, high = max(1, round(max_tokens * (1 - spread))), round(max_tokens * (1 + spread))
+    return [rng.randint(low, high) for _ in range(requests)]
 
 
 def merge(a: load_bench.LoadRow, b: load_bench.LoadRow) -> load_bench.LoadRow:

@@ -72,17 +72,21 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-def run_inprocess(engine, prompts: list[list[int]], budget, concurrency: int, requests: int, max_tokens: int) -> LoadRow:
+def run_inprocess(engine, prompts: list[list[int]], budget, concurrency: int, requests: int,
+                  max_tokens: int | list[int]) -> LoadRow:
     """Closed-loop streams over the engine's Scheduler: a finished stream sends its next prompt
-    before the next step."""
+    before the next step. `max_tokens`: one for every request, or the i-th request's at i modulo
+    its length."""
     scheduler = engine.scheduler
     row = LoadRow(budget, concurrency)
-    todo = deque(prompts[i % len(prompts)] for i in range(requests))
+    lengths = [max_tokens] if isinstance(max_tokens, int) else max_tokens
+    todo = deque((prompts[i % len(prompts)], lengths[i % len(lengths)]) for i in range(requests))
     live: dict[int, list[float]] = {}  # sequence id -> [sent at, last update at]
     start = time.perf_counter()
 
     def send():
-        seq_id = scheduler.add(engine.request(todo.popleft(), max_tokens, SamplingParams(), budget=budget))
+        prompt, most = todo.popleft()
+        seq_id = scheduler.add(engine.request(prompt, most, SamplingParams(), budget=budget))
         live[seq_id] = [time.perf_counter(), None]
 
     while todo and len(live) < concurrency:
