@@ -13,7 +13,7 @@ from ddtree.config import SamplingParams
 from ddtree.kernels.tree import Candidates, Lookup, build_tree, grow_tree
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.policy import (DEPTH_MARGIN, EXPLORE, EXPLORE_SHARE, FIRST_PROBE, HOPELESS_SHARE, HORIZON,
-                                    MIN_DRAFT_DEPTH, MIN_YIELD, MISFIT_STEPS, Acceptance,
+                                    MIN_DRAFT_DEPTH, MIN_YIELD, MISFIT_STEPS, PLAIN_REFRESH, PLAIN_SEEN, Acceptance,
                                     BudgetPolicy, CostCurve, TreeNodes, bin_of, by_bucket, tree_gains)
 from ddtree.workers.requests import Request
 from ddtree.workers.scheduler import BatchLimits, Scheduler
@@ -33,9 +33,26 @@ def test_cost_curve_interpolates_extrapolates_and_learns():
     curve.observe(100, 50.0)  # far from every point: a point of its own
     assert curve.points[100] == 50.0
     before = curve.points[100]
-    curve.observe(90, 90.0)  # near a point: scales it towards the measurement
-    assert curve.points[100] > before and 90 not in curve.points
+    curve.observe(90, 90.0)  # near a point: scales it towards the measurement, and is a point itself
+    assert curve.points[100] > before
+    assert 44.0 < curve.points[90] < 90.0  # started from the line's guess (44.9), moved towards 90
     assert not CostCurve() and CostCurve().predict(7) == 0.0
+
+
+def test_a_size_between_points_learns_its_own_cost():
+    """A step of 16 sequences between calibrated points 9 and 17 once only scaled its
+    neighbours, and steps of 13-15 sequences scaled point 17 back: on this CPU the plain step
+    of 16 ran at 56.8 ms while the line through 9 and 17 said 59.5 and never settled, so auto
+    weighed every tree at 16 streams against a plain step 5% dearer than it ran. Now each
+    size measured is a point of its own and converges to what it measures, whatever its
+    neighbours do."""
+    curve = CostCurve({9: 0.0435, 17: 0.0618})
+    assert curve.predict(16) == pytest.approx(0.0595, abs=1e-4)
+    for _ in range(40):
+        curve.observe(16, 0.0568)
+        curve.observe(13, 0.0550)  # the line says ~0.0527 here: the curve is not a line
+    assert curve.predict(16) == pytest.approx(0.0568, rel=0.01)
+    assert curve.predict(13) == pytest.approx(0.0550, rel=0.01)
 
 
 def worked_tree():
@@ -258,6 +275,9 @@ class FixedCosts(BudgetPolicy):
     def observe_step(self, *args) -> None:
         pass
 
+    def baseline_due(self, *args) -> bool:  # its T(B) is the test's: nothing to measure
+        return False
+
 
 class RandomQ(BudgetPolicy):
     """Every auto sequence drafts and each step's Q is a random bucket: budgets change every round."""
@@ -268,6 +288,9 @@ class RandomQ(BudgetPolicy):
 
     def plan(self, batch, fixed_drafting, buckets, estimates, fixed_nodes=0):
         return [True] * len(estimates)
+
+    def baseline_due(self, *args) -> bool:  # every round its random tree, none a measuring plain step
+        return False
 
     def choose(self, batch, buckets, curves, draft_s, fixed_nodes=0):
         decision = super().choose(batch, buckets, curves, draft_s, fixed_nodes)
@@ -337,6 +360,58 @@ def test_policy_grants_trees_where_rows_are_cheap_and_none_where_they_are_not(ti
     predicted = sum(r.predicted for r in runs["flat"][0].rounds)
     accepted = sum(r.accepted for r in runs["flat"][0].rounds)
     assert math.isclose(predicted, accepted, rel_tol=0.15), (predicted, accepted)
+
+
+def test_a_batch_size_decodes_plainly_until_its_plain_step_is_measured():
+    """Every tree is weighed against T(B), the plain step of its batch, and the nodes' extra
+    seconds are learned over it; both come only from plain steps of that batch. At 16 streams
+    auto once granted lookup chains from its first step, never saw a plain step of 16, priced
+    6.1 s of tree steps at 4.9 and ran 0.90x plain. Now a batch size decodes plainly until its
+    plain step was seen PLAIN_SEEN times, and once more after PLAIN_REFRESH steps with trees."""
+    policy = BudgetPolicy(CostCurve({1: 0.010, 9: 0.012}), packed=True)
+    assert policy.baseline_due(4)
+    for _ in range(PLAIN_SEEN):
+        policy.observe_step(4, 1, 0.011, 0, 0.0, 0.001)
+    assert not policy.baseline_due(4) and policy.baseline_due(5)  # per batch size
+    assert not policy.baseline_due(5, fixed_nodes=3)  # a fixed budget's nodes: no plain step to be had
+    for _ in range(PLAIN_REFRESH - 1):
+        policy.observe_step(4, 2, 0.013, 0, 0.0, 0.001, nodes=3)
+    assert not policy.baseline_due(4)
+    policy.observe_step(4, 2, 0.013, 0, 0.0, 0.001, nodes=3)
+    assert policy.baseline_due(4)  # T(4) may have drifted: measured once more ...
+    policy.observe_step(4, 1, 0.011, 0, 0.0, 0.001)
+    assert not policy.baseline_due(4)  # ... and trees again
+    padded = BudgetPolicy(CostCurve({1: 0.010, 9: 0.012}))
+    assert not padded.baseline_due(4)  # padded: every step measures T(B x Q), trees or not
+
+
+class BaselineFirst(FixedCosts):
+    """FixedCosts whose first `steps` steps measure the plain baseline."""
+
+    def __init__(self, curve, steps: int):
+        super().__init__(curve)
+        self.steps = steps
+
+    def baseline_due(self, batch, fixed_nodes=0):
+        self.steps -= 1
+        return self.steps >= 0
+
+
+def test_a_step_that_measures_the_baseline_drafts_nothing_and_grows_no_lookup_chain(tiny_checkpoint):
+    """The scheduler's side of `baseline_due`: on such a step no auto sequence drafts or is
+    probed and no lookup chain is verified -- every row is one plain token -- and the tokens
+    are the target's; after it, the same request gets its trees."""
+    hf, target, _ = tiny_checkpoint("llama", 97)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]  # a repeating prompt: lookup finds a chain every step
+    reference = hf_greedy(hf, prompt, 30)
+    drafter = OracleDrafter(prompt + reference + [0] * 16, 97, 8, accuracy=1.0)
+    policy = BaselineFirst(CostCurve({1: 0.01, 130: 0.0101}), steps=3)
+    scheduler = Scheduler.local(target, drafter, "auto", BatchLimits(max_num_seqs=2, max_step_tokens=2 * 65),
+                                policy=policy, lookup=True)
+    [result] = scheduler.generate([Request(prompt, 30)])
+    assert result.tokens == reference
+    assert [(r.tree_size, r.budget, r.probe) for r in result.rounds[:3]] == [(1, 0, False)] * 3
+    assert max(r.tree_size for r in result.rounds[3:]) > 1
 
 
 def test_the_scheduler_measures_a_contradicted_curve_again_mid_run_and_the_tokens_stay_the_targets(tiny_checkpoint):

@@ -350,8 +350,11 @@ class Scheduler:
         for b in auto:
             rows[b].estimate.context = pending[b]
             rows[b].estimate.remaining = rows[b].request.max_tokens - len(rows[b].output)
-        plan = self.policy.plan(len(rows), len(fixed), buckets, [rows[b].estimate for b in auto],
-                                sum(granted[b] for b in fixed))
+        fixed_nodes = sum(granted[b] for b in fixed)
+        baseline = self.policy.baseline_due(len(rows), fixed_nodes)  # a plain step, to measure T(B)
+        estimates = [rows[b].estimate for b in auto]
+        plan = (self.policy.rest(estimates) if baseline
+                else self.policy.plan(len(rows), len(fixed), buckets, estimates, fixed_nodes))
         probed = {rows[auto[i]].id for i in self.policy.probed}  # ids: `_reserve` may drop rows
         auto = [b for b, drafts in zip(auto, plan) if drafts]
         for b in auto:
@@ -371,7 +374,7 @@ class Scheduler:
                 rows[b].features = []
                 candidates[b] = proposal
         t1 = time.perf_counter()
-        branches = self._lookup_branches(rows)
+        branches = {} if baseline else self._lookup_branches(rows)
         # an auto sequence the plan left out verifies its lookup branch alone, if it has one
         auto_trees = sorted(set(auto) | {b for b in branches if rows[b].budget == "auto"})
         for b in auto_trees:
