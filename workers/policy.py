@@ -110,7 +110,8 @@ ROW_PRIOR_S = 0.05  # ... which starts at 1 as if this many seconds had been mea
 SIZE_ROW_PRIOR_S = 0.01  # ... and one per step size, at the band's factor as if this many had (a few nodes: ~5 ms)
 PLAIN_SEEN = 3  # ... and learns only from batches whose plain step was seen this many times;
 # a batch of auto sequences alone decodes plainly until then (`baseline_due`) ...
-PLAIN_REFRESH = 64  # ... and once more after this many steps with trees in a row
+PLAIN_REFRESH = 128  # ... and once more after this many steps with trees in a row (at one stream, where
+# a tree gains ~40%, one plain step in 129 costs ~0.3%)
 # the drafter's nodes are calibrated per bin of their path probability p: 0 for p >= .5, 1 for
 # .2 <= p < .5, 2 for .05 <= p < .2, 3 below
 BINS = (0.5, 0.2, 0.05)
