@@ -845,11 +845,17 @@ def test_a_start_up_curve_that_dips_still_prices_every_node():
     another path through the GEMMs, or a slow second of the machine): a lone sequence's first
     nodes then added nothing to T1(1), no learned row factor could scale that up, and auto
     granted 3 nodes at most steps, predicting 32.9 ms of verify where they took 39.2. The shape
-    is made non-decreasing from above: a forward over more rows never costs less."""
+    is made non-decreasing from above: a forward over more rows never costs less. Flattened,
+    though, it still priced one node at nothing (T1(2) = T1(1)): with a start-up T(1) of 33.2 ms
+    and T(2) of 32.1, auto verified 1-node trees that took 2.6 ms more than plain steps and ran
+    at 29-32 tokens/s where plain ran 31. So a node costs at least a quarter of the shape's
+    mean slope over the next 16 rows, a base the row factors can scale."""
     policy = BudgetPolicy(packed=True)
     policy.calibrate(CostCurve({1: 0.037, 2: 0.031, 3: 0.031, 5: 0.042, 9: 0.042, 17: 0.053}))
     assert policy._shape_extra(1, 3) == pytest.approx(0.0365 - 0.031)  # T1(4), between 3 and 5, over T1(1) = 31
-    assert policy._shape_extra(1, 1) == 0.0  # T1(2) = T1(1): the dip is flattened, not priced below zero
+    floor = (0.053 - 0.031) / 64  # T1(17) - T1(1) over 16 rows, a quarter of it a node
+    assert policy._shape_extra(1, 1) == pytest.approx(floor)  # T1(2) = T1(1): flattened, and priced at the floor
+    assert policy._shape_extra(1, 1) > 0.0
     assert policy.verify.predict(1) == 0.037  # the live T(B) keeps what was measured (plain steps teach it)
 
 

@@ -112,6 +112,7 @@ PLAIN_SEEN = 3  # ... and learns only from batches whose plain step was seen thi
 # a batch of auto sequences alone decodes plainly until then (`baseline_due`) ...
 PLAIN_REFRESH = 128  # ... and once more after this many steps with trees in a row (at one stream, where
 # a tree gains ~40%, one plain step in 129 costs ~0.3%)
+ROW_FLOOR_SPAN = 16  # packed rows: a node costs at least a quarter of T1's mean slope over this many rows past B
 # the drafter's nodes are calibrated per bin of their path probability p: 0 for p >= .5, 1 for
 # .2 <= p < .5, 2 for .05 <= p < .2, 3 below
 BINS = (0.5, 0.2, 0.05)
@@ -448,9 +449,14 @@ class BudgetPolicy:
         return rows_s
 
     def _shape_extra(self, batch: int, nodes: int, base: float | None = None) -> float:
-        """T1(B + nodes) - T1(B) of the calibrated shape; `base`: T1(B) when already known."""
+        """T1(B + nodes) - T1(B) of the calibrated shape, and at least a quarter of its mean
+        slope over the next ROW_FLOOR_SPAN rows a node (`base`: T1(B) when already known). A start-up curve
+        of T(1) 33.2 ms and T(2) 32.1, made non-decreasing, is flat from 1 to 2 rows: one node
+        of a lone sequence was priced at nothing, which no row factor scales up, and took 2.6 ms
+        (auto verified 1-node trees at 29-32 tokens/s where plain steps ran 31)."""
         base = self.shape.predict(batch) if base is None else base
-        return max(self.shape.predict(batch + nodes) - base, 0.0)
+        slope = (self.shape.predict(batch + ROW_FLOOR_SPAN) - base) / (4 * ROW_FLOOR_SPAN)
+        return max(self.shape.predict(batch + nodes) - base, nodes * slope, 0.0)
 
     def row_factor(self, batch: int, nodes: int | None = None) -> float:
         """Measured over calibrated extra seconds of the recent steps with trees in batches of
