@@ -450,10 +450,10 @@ class BudgetPolicy:
 
     def _shape_extra(self, batch: int, nodes: int, base: float | None = None) -> float:
         """T1(B + nodes) - T1(B) of the calibrated shape, and at least a quarter of its mean
-        slope over the next ROW_FLOOR_SPAN rows a node (`base`: T1(B) when already known). A start-up curve
-        of T(1) 33.2 ms and T(2) 32.1, made non-decreasing, is flat from 1 to 2 rows: one node
-        of a lone sequence was priced at nothing, which no row factor scales up, and took 2.6 ms
-        (auto verified 1-node trees at 29-32 tokens/s where plain steps ran 31)."""
+        slope over the next ROW_FLOOR_SPAN rows a node (`base`: T1(B) when already known). A
+        start-up curve of T(1) 33.2 ms and T(2) 32.1, made non-decreasing, is flat from 1 to 2
+        rows: one node of a lone sequence was priced at nothing, which no row factor scales up,
+        and took 2.6 ms (auto verified 1-node trees at 29-32 tokens/s where plain steps ran 31)."""
         base = self.shape.predict(batch) if base is None else base
         slope = (self.shape.predict(batch + ROW_FLOOR_SPAN) - base) / (4 * ROW_FLOOR_SPAN)
         return max(self.shape.predict(batch + nodes) - base, nodes * slope, 0.0)
@@ -494,8 +494,8 @@ class BudgetPolicy:
 
     def baseline_due(self, batch: int, fixed_nodes: int = 0) -> bool:
         """Packed rows: whether a step of `batch` sequences, no fixed budget's nodes among them,
-        decodes plainly (`rest`, no lookup chain) to measure T(B), the plain step every tree is weighed
-        against: until that batch's plain step has been seen PLAIN_SEEN times, and after
+        decodes plainly (`rest`, no lookup chain) to measure T(B), the plain step every tree is
+        weighed against: until that batch's plain step has been seen PLAIN_SEEN times, and after
         PLAIN_REFRESH steps with trees in a row. T(B) and the nodes' extra seconds are learned
         only from such steps: at 16 streams auto granted lookup chains from its first step,
         never saw a plain step of 16, priced trees by the start-up curve (6.1 s of tree steps
