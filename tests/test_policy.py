@@ -12,7 +12,7 @@ import torch
 from ddtree.config import SamplingParams
 from ddtree.kernels.tree import Candidates, Lookup, build_tree, grow_tree
 from ddtree.workers.drafter import DFlashDrafter
-from ddtree.workers.policy import (DEPTH_MARGIN, EXPLORE, EXPLORE_SHARE, FIRST_PROBE, HOPELESS_SHARE, HORIZON,
+from ddtree.workers.policy import (DEPTH_MARGIN, EMA, EXPLORE, EXPLORE_SHARE, FIRST_PROBE, HOPELESS_SHARE, HORIZON,
                                     MIN_DRAFT_DEPTH, MIN_YIELD, MISFIT_STEPS, PLAIN_REFRESH, PLAIN_SEEN, Acceptance,
                                     BudgetPolicy, CostCurve, TreeNodes, bin_of, by_bucket, tree_gains)
 from ddtree.workers.requests import Request
@@ -32,10 +32,10 @@ def test_cost_curve_interpolates_extrapolates_and_learns():
     assert 3.0 < curve.points[9] < 4.0
     curve.observe(100, 50.0)  # far from every point: a point of its own
     assert curve.points[100] == 50.0
-    before = curve.points[100]
+    before, guess = curve.points[100], curve.predict(90)  # the line's guess at 90: 44.9
     curve.observe(90, 90.0)  # near a point: scales it towards the measurement, and is a point itself
     assert curve.points[100] > before
-    assert 44.0 < curve.points[90] < 90.0  # started from the line's guess (44.9), moved towards 90
+    assert curve.points[90] == pytest.approx(guess + EMA * (90.0 - guess))  # the guess moved by EMA
     assert not CostCurve() and CostCurve().predict(7) == 0.0
 
 

@@ -437,26 +437,31 @@ class BudgetPolicy:
     def _rows_s(self, batch: int):
         """`node_rows_s` for one batch, as rows_s(nodes): T1(B) once, the row factor once per group
         of node counts (`_size`) -- the plan and `choose` price many node counts a step."""
-        base, factors = self.shape.predict(batch), {}
+        at, factors = self._shape_at(batch), {}
 
         def rows_s(nodes: int) -> float:
             if not nodes:
                 return 0.0
             if _size(nodes) not in factors:
                 factors[_size(nodes)] = self.row_factor(batch, nodes)
-            return factors[_size(nodes)] * self._shape_extra(batch, nodes, base)
+            return factors[_size(nodes)] * self._shape_extra(batch, nodes, at)
 
         return rows_s
 
-    def _shape_extra(self, batch: int, nodes: int, base: float | None = None) -> float:
-        """T1(B + nodes) - T1(B) of the calibrated shape, and at least a quarter of its mean
-        slope over the next ROW_FLOOR_SPAN rows a node (`base`: T1(B) when already known). A
-        start-up curve of T(1) 33.2 ms and T(2) 32.1, made non-decreasing, is flat from 1 to 2
-        rows: one node of a lone sequence was priced at nothing, which no row factor scales up,
-        and took 2.6 ms (auto verified 1-node trees at 29-32 tokens/s where plain steps ran 31)."""
-        base = self.shape.predict(batch) if base is None else base
-        slope = (self.shape.predict(batch + ROW_FLOOR_SPAN) - base) / (4 * ROW_FLOOR_SPAN)
-        return max(self.shape.predict(batch + nodes) - base, nodes * slope, 0.0)
+    def _shape_at(self, batch: int) -> tuple[float, float]:
+        """T1(B) of the calibrated shape, and the least a node adds to it: a quarter of the
+        shape's mean slope over the next ROW_FLOOR_SPAN rows. A start-up curve of T(1) 33.2 ms
+        and T(2) 32.1, made non-decreasing, is flat from 1 to 2 rows: one node of a lone
+        sequence was priced at nothing, which no row factor scales up, and took 2.6 ms (auto
+        verified 1-node trees at 29-32 tokens/s where plain steps ran 31)."""
+        base = self.shape.predict(batch)
+        return base, (self.shape.predict(batch + ROW_FLOOR_SPAN) - base) / (4 * ROW_FLOOR_SPAN)
+
+    def _shape_extra(self, batch: int, nodes: int, at: tuple[float, float] | None = None) -> float:
+        """T1(B + nodes) - T1(B) of the calibrated shape, at least the floor of `_shape_at` a
+        node (`at`: `_shape_at(batch)` when already known)."""
+        base, floor = self._shape_at(batch) if at is None else at
+        return max(self.shape.predict(batch + nodes) - base, nodes * floor, 0.0)
 
     def row_factor(self, batch: int, nodes: int | None = None) -> float:
         """Measured over calibrated extra seconds of the recent steps with trees in batches of

@@ -350,11 +350,11 @@ class Scheduler:
         for b in auto:
             rows[b].estimate.context = pending[b]
             rows[b].estimate.remaining = rows[b].request.max_tokens - len(rows[b].output)
-        fixed_nodes = sum(granted[b] for b in fixed)
-        baseline = self.policy.baseline_due(len(rows), fixed_nodes)  # a plain step, to measure T(B)
+        fixed_asked = sum(granted[b] for b in fixed)  # the fixed budgets' nodes, before their trees grow
+        baseline = self.policy.baseline_due(len(rows), fixed_asked)  # a plain step, to measure T(B)
         estimates = [rows[b].estimate for b in auto]
         plan = (self.policy.rest(estimates) if baseline
-                else self.policy.plan(len(rows), len(fixed), buckets, estimates, fixed_nodes))
+                else self.policy.plan(len(rows), len(fixed), buckets, estimates, fixed_asked))
         probed = {rows[auto[i]].id for i in self.policy.probed}  # ids: `_reserve` may drop rows
         auto = [b for b, drafts in zip(auto, plan) if drafts]
         for b in auto:
