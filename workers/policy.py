@@ -52,7 +52,8 @@ The model (README, "How budget: auto chooses"):
   that took 0.77.)
 
 A step decides twice: before drafting, from each sequence's recent E_s (read through what drafted
-steps gained after such recent gains: `foretell`), which sequences draft (`plan`); after drafting, from this step's exact E_s, which Q (`choose`). Q = 1 is plain decoding.
+steps gained after such recent gains: `foretell`), which sequences draft (`plan`); after drafting,
+from this step's exact E_s, which Q (`choose`). Q = 1 is plain decoding.
 A sequence the plan leaves out is probed (drafts anyway: one drafter row, and the step's Q still
 chosen from what it drafted) at its first step, then after 8 idle steps, 16, 32, 64, so a
 new sequence is learnt and one whose acceptance collapsed is re-probed cheaply -- but only while
