@@ -229,13 +229,18 @@ class Regression:
         for i, v in enumerate((1.0, x, y, x * x, x * y)):
             self.sums[i] = self.decay * self.sums[i] + v
 
-    def predict(self, x: float) -> float:
+    def line(self) -> tuple[float, float, float]:
+        """(mean x, mean y, slope): y = mean y + slope (x - mean x)."""
         w, sx, sy, sxx, sxy = self.sums
         if w <= 0.0:
-            return x
+            return 0.0, 0.0, 1.0
         mx, my = sx / w, sy / w
         slope = (sxy - w * mx * my + FORETOLD_PRIOR) / (sxx - w * mx * mx + FORETOLD_PRIOR)
-        return my + min(1.0, max(0.0, slope)) * (x - mx)
+        return mx, my, min(1.0, max(0.0, slope))
+
+    def predict(self, x: float) -> float:
+        mx, my, slope = self.line()
+        return my + slope * (x - mx)
 
 
 def bin_of(p: float) -> int:
@@ -489,7 +494,7 @@ class BudgetPolicy:
         """T1(B + nodes) - T1(B) of the calibrated shape, at least the floor of `_shape_at` a
         node (`at`: `_shape_at(batch)` when already known)."""
         base, floor = self._shape_at(batch) if at is None else at
-        return max(self.shape.predict(batch + nodes) - base, nodes * floor, 0.0)
+        return max(self.shape.predict(batch + nodes) - base, nodes * floor)  # floor >= 0: the shape never falls
 
     def row_factor(self, batch: int, nodes: int | None = None) -> float:
         """Measured over calibrated extra seconds of the recent steps with trees in batches of
@@ -556,8 +561,9 @@ class BudgetPolicy:
         band = _band(batch)
         due = {i for i, e in enumerate(estimates) if e.gain is None or e.idle >= e.probe_after}
         context = {i: e.priced_context() for i, e in enumerate(estimates)}
+        lines = self.foretold_lines()  # once a plan: 64 sequences x 8 Q's each took 0.3 ms
         chosen = set(self._best_set(batch, fixed_drafting, fixed_nodes, buckets, {
-            i: self.foretell(e) for i, e in enumerate(estimates) if i not in due}, context))
+            i: self.foretell(e, lines) for i, e in enumerate(estimates) if i not in due}, context))
         for i, e in enumerate(estimates):  # what the probes of its last step came to
             if e.probed is not None and i not in due:
                 _fade_in(self._yield.setdefault(e.probed, [0.0, 0.0]), YIELD_DECAY, float(i in chosen), 1.0)
@@ -584,7 +590,12 @@ class BudgetPolicy:
                 e.idle += 1
         return [i in chosen or i in due for i in range(len(estimates))]
 
-    def foretell(self, estimate: SequenceEstimate) -> dict[int, float]:
+    def foretold_lines(self) -> dict[int, tuple[float, float, float]]:
+        """Per Q, the line of `foretold` (`Regression.line`)."""
+        return {q: r.line() for q, r in self.foretold.items()}
+
+    def foretell(self, estimate: SequenceEstimate,
+                 lines: dict[int, tuple[float, float, float]] | None = None) -> dict[int, float]:
         """A sequence's gains per Q at its next step, from its recent ones (`SequenceEstimate.gain`,
         a moving average of its drafted steps' gains): what drafted steps gained against their
         sequence's recent gains before them, by regression (`foretold`), never above the most any
@@ -593,10 +604,16 @@ class BudgetPolicy:
         the mixed prompts, steps drafted after recent gains of 0.4-0.6 tokens at Q = 5 took 0.77
         with 4 nodes (the regression's slope there: ~0.6). Read as they stood, the plan left 18% of
         the steps plain below its threshold of ~0.45, tau fell to 1.90-2.17 from pass to pass and
-        auto ran 0.99x budget 4 (48 requests, four passes); foretold: tau 2.19-2.23, 1.005x."""
-        peak = estimate.peak
-        return {q: min(self.foretold[q].predict(g), peak.get(q, g)) if q in self.foretold else g
-                for q, g in (estimate.gain or {}).items()}
+        auto ran 0.99x budget 4 (48 requests, four passes); foretold: tau 2.19-2.23, 1.005x.
+        `lines`: `foretold_lines()` when already known."""
+        lines = self.foretold_lines() if lines is None else lines
+        out = {}
+        for q, g in (estimate.gain or {}).items():
+            if q in lines:
+                mx, my, slope = lines[q]
+                g = min(my + slope * (g - mx), estimate.peak.get(q, g))
+            out[q] = g
+        return out
 
     def _affordable(self, batch: int, fixed_drafting: int, fixed_nodes: int, due: set[int],
                     context: dict[int, int]) -> set[int]:
