@@ -275,7 +275,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
     layers = tuple(args.target_layers) if args.target_layers else default_target_layer_ids(target.model.config.num_hidden_layers)
     cfg = TrainConfig(block_size=args.block_size, num_layers=args.layers,
                       mask_token_id=args.mask_token_id, steps=args.steps, seed=args.seed,
-                      vocab_floor=None if args.vocab_floor < 0 else args.vocab_floor,
+                      vocab_floor=None if args.vocab_floor < 0 else args.vocab_floor, distill=args.distill,
                       **({"lr": args.lr} if args.lr else {}))
     stages = ["data", "train", "export"] if args.stage == "all" else [args.stage]
     if "data" in stages:
@@ -467,6 +467,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--mask-token-id", type=int, help="default: the last vocabulary id")
     train.add_argument("--steps", type=int, default=3000)
     train.add_argument("--lr", type=float, help="peak learning rate (default 6e-4)")
+    train.add_argument("--distill", type=float, default=0.0, metavar="SHARE",
+                       help="the loss's share taken by the target's own distribution at each position (soft labels, "
+                       "computed once into data/teacher-*.safetensors) instead of its greedy token; 0: hard labels only")
     train.add_argument("--init-from", metavar="DRAFTER_DIR",
                        help="continue training this saved drafter (e.g. the shipped one) on this run's data")
     train.add_argument("--vocab-floor", type=int, default=8192,

@@ -23,6 +23,7 @@ from ddtree.training.train import (
     sample_anchors,
     stage_train,
 )
+from ddtree.training.teacher import load_teacher, sequence_teacher, stage_teacher
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.loading import load_target
 from ddtree.workers.requests import Request
@@ -175,6 +176,80 @@ def test_a_later_sitting_continues_a_saved_drafter(trained, tmp_path):
     shutil.copytree(work / "data", tmp_path / "other" / "data")
     with pytest.raises(ValueError, match="differ"):
         stage_train(target, tmp_path / "other", other, LAYERS, init_from=saved_dir)
+
+
+def test_the_teacher_is_the_targets_own_next_token_distribution(trained, tmp_path):
+    """Soft labels (teacher.py): row t of a sequence's teacher is the target's top-K over token
+    t given the tokens before it, for every response token (the prompt's rows are zeros). The
+    data stage decoded greedily, so the teacher's first choice is the token the data holds
+    (batched decoding, fp16 features and one prefill differ only in rounding: a mismatch is
+    allowed only at a near-tie, whose gap is shown); the log-probs are sorted, their mass at most
+    1; rows line up with load_sequences'. Resumed from the captured features of layer 0, it
+    equals the whole target's prefill up to the features' fp16 rounding."""
+    import shutil
+
+    target, work, *_ = trained
+    shutil.copytree(work / "data", tmp_path / "data")
+    stage_teacher(target, tmp_path, LAYERS, top_k=8)
+    sequences, teachers = load_sequences(tmp_path), load_teacher(tmp_path)
+    assert len(teachers) == len(sequences)
+    for (tokens, _, start), (ids, logprobs) in zip(sequences, teachers):
+        assert ids.shape == logprobs.shape == (len(tokens), 8)
+        assert not ids[:start].any() and not logprobs[:start].any(), "the prompt's rows are never labels"
+        lp = logprobs[start:].float()
+        assert (lp[:, :-1] >= lp[:, 1:]).all() and (lp.exp().sum(-1) <= 1.001).all()
+        for t in range(start, len(tokens)):
+            if ids[t, 0] != tokens[t]:
+                gap = float(logprobs[t, 0] - logprobs[t, 1])
+                assert gap < 1e-2 and tokens[t] in ids[t, :2], f"position {t}: not the greedy token, gap {gap}"
+        whole = sequence_teacher(target, tokens, 8, start)
+        torch.testing.assert_close(whole[1].float(), logprobs.float(), atol=2e-2, rtol=0)
+        assert (whole[0][:, 0] == ids[:, 0]).float().mean() > 0.95
+
+
+def test_soft_labels_that_are_the_hard_ones_give_the_hard_loss(trained):
+    """distill mixes the hard cross-entropy with the cross-entropy against the teacher: a teacher
+    sure of the greedy token (log-prob 0 there) is the hard label, so any share gives the hard
+    loss; a real teacher's soft labels give another loss, with a gradient everywhere; share 0
+    ignores the teacher."""
+    target, work, cfg, *_ = trained
+    drafter = init_drafter(target, cfg, LAYERS)
+    tokens, features, start = load_sequences(work)[1]
+    anchors = torch.tensor(sample_anchors(len(tokens), start, cfg.block_size, 8, random.Random(0)))
+    weights = position_weights(cfg.block_size, cfg.gamma)
+    hard = block_loss(drafter, tokens, features.float(), anchors, weights)[0]
+    k = 4
+    sure = (torch.cat([tokens[:, None], torch.zeros(len(tokens), k - 1, dtype=torch.long)], 1).int(),
+            torch.cat([torch.zeros(len(tokens), 1), torch.full((len(tokens), k - 1), -60.0)], 1).half())
+    for share in (0.3, 1.0):
+        torch.testing.assert_close(block_loss(drafter, tokens, features.float(), anchors, weights, sure, share)[0], hard)
+    teacher = sequence_teacher(target, tokens, k)
+    assert torch.equal(block_loss(drafter, tokens, features.float(), anchors, weights, teacher, 0.0)[0], hard)
+    soft = block_loss(drafter, tokens, features.float(), anchors, weights, teacher, 1.0)[0]
+    assert abs(float((soft - hard).detach())) > 1e-3
+    soft.backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in drafter.parameters() if p.requires_grad)
+
+
+def test_training_with_soft_labels_computes_the_teacher_once_and_learns(trained, tmp_path):
+    """--distill: the train stage writes the teacher files it lacks (once: a resumed run reuses
+    them) and the loss falls as with hard labels."""
+    import shutil
+
+    target, work, cfg, before, _ = trained
+    shutil.copytree(work / "data", tmp_path / "data")
+    soft = TrainConfig(**{**cfg.__dict__, "steps": 30, "distill": 0.5})
+    stage_train(target, tmp_path, soft, LAYERS)
+    written = sorted((tmp_path / "data").glob("teacher-*.safetensors"))
+    assert len(written) == len(list((tmp_path / "data").glob("shard-*.safetensors"))) > 0
+    stamps = [p.stat().st_mtime_ns for p in written]
+    stage_train(target, tmp_path, TrainConfig(**{**soft.__dict__, "steps": 35}), LAYERS)
+    assert [p.stat().st_mtime_ns for p in written] == stamps, "the teacher is not computed again"
+    sequences = load_sequences(tmp_path)
+    after = init_drafter(target, cfg, LAYERS, torch.load(tmp_path / "train" / "checkpoint.pt", weights_only=False)["drafter"])
+    start = init_drafter(target, cfg, LAYERS)
+    start.set_draft_vocab(after.draft_vocab)
+    assert fixed_batch_loss(after, sequences, cfg) < 0.8 * fixed_batch_loss(start, sequences, cfg)
 
 
 def test_training_reaches_every_parameter_of_the_drafter(trained):

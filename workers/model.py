@@ -733,11 +733,14 @@ class TargetModel(nn.Module):
         capture_layers: tuple[int, ...] = (),
         logits_to_keep: int = 0,  # 0 = every row
         rows: torch.Tensor | None = None,  # [B] int64: real rows per block, the rest padding (see Packing)
+        resume: tuple[int, torch.Tensor] | None = None,  # (L, [B, Q, H] layer L's output): run the layers after L
     ) -> ForwardOutput:
         """Runs the block over the committed prefix in `cache` and writes the block's keys and
         values at slots lengths[b] ... lengths[b] + Q - 1. It does not advance `lengths`: the
         caller commits what it keeps (see kernels.tree.compact_kv). With `rows` (every row kept,
-        logits_to_keep 0), the padding rows are not computed: the logits come back packed."""
+        logits_to_keep 0), the padding rows are not computed: the logits come back packed.
+        With `resume`, the block starts from layer L's recorded outputs (e.g. features the data
+        stage captured) and only the later layers run: the cache holds those layers alone."""
         b, q_len = tokens.shape
         packing = None
         if rows is not None:
@@ -748,9 +751,14 @@ class TargetModel(nn.Module):
         # [B, Q, 1, D] (packed: [N, 1, D]): broadcast over the heads
         cos, sin = (t[0].transpose(0, 1) if packing is not None else t.transpose(1, 2) for t in rope_cos_sin(
             positions if packing is None else packing.pack(positions)[None], self.rope, self.dtype))
-        x = self.parallel.embed(self.model.embed_tokens, tokens if packing is None else packing.pack(tokens))
+        if resume is None:
+            first, x = 0, self.parallel.embed(self.model.embed_tokens, tokens if packing is None else packing.pack(tokens))
+        else:
+            first, x = resume[0] + 1, resume[1].to(self.dtype)
         captured = []
         for i, layer in enumerate(self.model.layers):
+            if i < first:
+                continue
             x = layer(x, cos, sin, i, view, self.parallel.all_reduce, packing)
             if i in capture_layers:
                 captured.append((capture_layers.index(i), x if packing is None else packing.unpack(x)))

@@ -2,8 +2,8 @@
 
 The DFlash recipe: random anchors inside the responses; block [token at anchor, MASK x (B-1)];
 context features strictly before the anchor; bidirectional attention in the block; label at
-block position k = token at anchor + k; cross-entropy weighted by exp(-(k-1)/gamma); the target,
-its embedding and LM head frozen; AdamW, linear warmup, cosine decay to a tenth of the peak
+block position k = token at anchor + k; cross-entropy weighted by exp(-(k-1)/gamma) -- with `distill` > 0 mixed with the cross-entropy against the target's own
+distribution at that position (teacher.py); the target, its embedding and LM head frozen; AdamW, linear warmup, cosine decay to a tenth of the peak
 learning rate. train/checkpoint.pt is rewritten as it goes, so a run stopped anywhere resumes.
 """
 
@@ -21,6 +21,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from ..workers.drafter import DFlashConfig, DFlashDrafter
 from ..workers.loading import LoadedTarget
 from .data import load_sequences
+from .teacher import load_teacher, stage_teacher
 
 MIN_LR_RATE = 0.1  # the learning rate at the last step, as a share of the peak
 
@@ -31,6 +32,9 @@ class TrainConfig:
     num_layers: int = 2
     mask_token_id: int | None = None
     gamma: float = 5.0  # position weight exp(-(k-1)/gamma)
+    # Share of the loss taken by the soft labels (the target's top-K distribution at each block
+    # position, teacher.py) instead of the hard ones (its greedy token); 0: hard labels only.
+    distill: float = 0.0
     steps: int = 3000
     sequences_per_step: int = 4
     anchors_per_sequence: int = 24
@@ -132,13 +136,26 @@ def sample_anchors(length: int, response_start: int, block: int, count: int, rng
     return sorted(rng.sample(range(lo, hi + 1), min(count, hi - lo + 1)))
 
 
-def block_loss(drafter, tokens, features, anchors, weights):
-    """Weighted cross-entropy and top-1 hits per position for one sequence's blocks."""
+def block_loss(drafter, tokens, features, anchors, weights, teacher=None, distill: float = 0.0):
+    """Weighted cross-entropy and top-1 hits per position for one sequence's blocks.
+
+    With `teacher` (ids [T, K], logprobs [T, K]: the target's top-K at every token of the
+    sequence, teacher.py) and `distill` > 0, each position's loss is (1 - distill) x the hard
+    cross-entropy + distill x the cross-entropy against the target's distribution there,
+    renormalised over its top-K tokens that the draft vocabulary holds."""
     s = drafter.block_size
     logits = drafter.block_logits(features, tokens, anchors).float()  # [A, S-1, V_d]
-    labels = drafter.draft_ids(tokens[anchors[:, None] + torch.arange(1, s)])  # [A, S-1]; -100: not in V_d
+    positions = anchors[:, None] + torch.arange(1, s)  # [A, S-1]
+    labels = drafter.draft_ids(tokens[positions])  # [A, S-1]; -100: not in V_d
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
-    loss = (ce.view_as(labels) * weights).sum() / (weights.sum() * len(anchors))
+    per_position = ce.view_as(labels)
+    if teacher is not None and distill > 0:
+        ids = drafter.draft_ids(teacher[0][positions].long())  # [A, S-1, K]; -100: not in V_d
+        probs = teacher[1][positions].float().exp() * (ids >= 0)
+        probs = probs / probs.sum(-1, keepdim=True).clamp_min(1e-12)
+        soft = -(probs * torch.log_softmax(logits, dim=-1).gather(-1, ids.clamp_min(0))).sum(-1)
+        per_position = (1 - distill) * per_position + distill * soft
+    loss = (per_position * weights).sum() / (weights.sum() * len(anchors))
     hits = (logits.argmax(-1) == labels).float().sum(0)  # [S-1]
     return loss, hits
 
@@ -178,6 +195,11 @@ def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids
     sequences = load_sequences(workdir)
     if not sequences:
         raise ValueError(f"no data in {workdir / 'data'}: run the data stage first")
+    if cfg.distill > 0:
+        stage_teacher(target, workdir, layer_ids)
+        teachers = load_teacher(workdir)
+    else:
+        teachers = [None] * len(sequences)
     target.model.requires_grad_(False)  # frozen: target, embedding and LM head
     ckpt_dir = workdir / "train"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -187,6 +209,7 @@ def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids
     if not state.held_out:
         state.held_out = max(1, int(len(sequences) * cfg.held_out))
     train_set = sequences[state.held_out :]  # the first sequences are held out (see stage_export)
+    train_teachers = teachers[state.held_out :]
     if saved:
         drafter = init_drafter(target, cfg, layer_ids, saved["drafter"])
     else:
@@ -222,12 +245,14 @@ def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids
                 break
             opt.zero_grad(set_to_none=True)
             total, hits, anchors_seen = 0.0, torch.zeros(cfg.block_size - 1), 0
-            for tokens, features, start in rng.sample(train_set, min(cfg.sequences_per_step, len(train_set))):
+            for i in rng.sample(range(len(train_set)), min(cfg.sequences_per_step, len(train_set))):
+                tokens, features, start = train_set[i]
                 anchors = sample_anchors(len(tokens), start, cfg.block_size, cfg.anchors_per_sequence, rng)
                 if not anchors:
                     continue
                 # fp32: on this CPU bf16 autocast made the backward pass 30x slower
-                loss, h = block_loss(drafter, tokens, features.float(), torch.tensor(anchors), weights)
+                loss, h = block_loss(drafter, tokens, features.float(), torch.tensor(anchors), weights,
+                                     train_teachers[i], cfg.distill)
                 (loss / cfg.sequences_per_step).backward()
                 total += float(loss.detach()) / cfg.sequences_per_step
                 hits += h
