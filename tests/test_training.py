@@ -233,7 +233,7 @@ def test_soft_labels_that_are_the_hard_ones_give_the_hard_loss(trained):
 
 def test_training_with_soft_labels_computes_the_teacher_once_and_learns(trained, tmp_path):
     """--distill: the train stage writes the teacher files it lacks (once: a resumed run reuses
-    them) and the loss falls as with hard labels."""
+    them), the loss falls as with hard labels, and the model card says which loss trained it."""
     import shutil
 
     target, work, cfg, before, _ = trained
@@ -250,6 +250,8 @@ def test_training_with_soft_labels_computes_the_teacher_once_and_learns(trained,
     start = init_drafter(target, cfg, LAYERS)
     start.set_draft_vocab(after.draft_vocab)
     assert fixed_batch_loss(after, sequences, cfg) < 0.8 * fixed_batch_loss(start, sequences, cfg)
+    card = (stage_export(target, tmp_path, soft, LAYERS, tmp_path / "export") / "README.md").read_text()
+    assert "0.5 x the cross-entropy against its own top-32 distribution" in card, "the model card names the loss"
 
 
 def test_training_reaches_every_parameter_of_the_drafter(trained):

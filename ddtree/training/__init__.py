@@ -4,6 +4,7 @@ and measure a drafter (`ddtree eval-drafter`).
     workdir/
       data/prompts.json                  the prompts of every shard (stage 1, fixed once planned)
       data/shard-00000.safetensors ...   the target's greedy responses + features (stage 1)
+      data/teacher-00000.safetensors ... its top-32 distribution at every response token (stage 2, --distill)
       train/checkpoint.pt                drafter + optimizer + scheduler + step (stage 2, rewritten as it goes)
       export/                            the drafter in the published DFlash format + README.md
 
@@ -15,7 +16,9 @@ and measure a drafter (`ddtree eval-drafter`).
    anchor, MASK x (B-1)]; context features strictly before the anchor; bidirectional attention in
    the block; label at block position k = token at anchor + k; cross-entropy weighted by
    exp(-(k-1)/gamma); the target, its embedding and LM head frozen; AdamW, linear warmup, cosine
-   decay to a tenth of the peak learning rate.
+   decay to a tenth of the peak learning rate. With `distill` > 0 the loss also takes the
+   target's own distribution at each position (teacher.py: data/teacher-*.safetensors, made once
+   before the first step from the captured features).
 3. export (export.py): the checkpoint directory (bf16 safetensors) and a model card; ddtree's
    layout by default, or exactly the published one (`--export-layout published`).
 

@@ -60,9 +60,17 @@ def stage_export(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_id
         f"held out: the first {len(held_out)} sequences",
         f"- steps: {state['step']} (batch {cfg.sequences_per_step} sequences x {cfg.anchors_per_sequence} anchors), "
         f"final loss (EMA) {'-' if state['loss_ema'] is None else format(state['loss_ema'], '.3f')}",
+        _loss_line(saved.get("config", {}).get("distill", 0.0)),
         f"- held-out top-1 accuracy per block position: {', '.join(f'{a:.2f}' for a in accuracy)}",
     ]
     if eval_summary:
         card += ["", eval_summary]
     (out / "README.md").write_text("\n".join(card) + "\n")
     return out
+
+
+def _loss_line(distill: float) -> str:
+    if not distill:
+        return "- loss: cross-entropy against the target's greedy token at each block position"
+    return (f"- loss: {1 - distill:g} x the cross-entropy against the target's greedy token + {distill:g} x the "
+            "cross-entropy against its own top-32 distribution at each block position (soft labels)")
