@@ -4,7 +4,7 @@ distillation (`TrainConfig.distill`).
 The data stage keeps only the target's greedy tokens: the hard label of block position k is the
 token at anchor + k. The target's whole distribution at that position says more -- which other
 tokens it nearly chose, and how sure it was -- and a drafter whose held-out accuracy stops
-rising while its training accuracy climbs (data-bound) learns from it what the hard labels do
+rising while its training accuracy climbs (data-bound) may learn from it what the hard labels do
 not carry. The target's last layers, run once per sequence from the features the data stage
 captured, give every response position's distribution; its top `top_k` (token, log-probability)
 pairs are kept per token, next to the shard they belong to:
