@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -57,16 +58,14 @@ def stage_teacher(target: LoadedTarget, workdir: Path, layer_ids=(), top_k: int 
     from its last captured layer's features instead of running the whole target."""
     shards = [p for p in sorted((workdir / "data").glob("shard-*.safetensors")) if not teacher_path(p).is_file()]
     last = max(layer_ids) if layer_ids else None
+    hidden = target.model.config.hidden_size
+    column = list(layer_ids).index(last) * hidden if last is not None else 0
     for path in tqdm(shards, desc="teacher", unit="shard"):
         shard = load_file(str(path))
         offs = shard["offsets"].tolist()
-        hidden = target.model.config.hidden_size
         parts = []
         for (a, b), start in zip(zip(offs, offs[1:]), shard["response_starts"].tolist()):
-            resume = None
-            if last is not None:
-                column = list(layer_ids).index(last) * hidden
-                resume = (last, shard["features"][a:b, column : column + hidden])
+            resume = None if last is None else (last, shard["features"][a:b, column : column + hidden])
             parts.append(sequence_teacher(target, shard["tokens"][a:b], top_k, start, resume))
         tmp = teacher_path(path).with_suffix(".tmp")
         save_file({"ids": torch.cat([p[0] for p in parts]), "logprobs": torch.cat([p[1] for p in parts])}, str(tmp))
@@ -77,7 +76,8 @@ def load_teacher(workdir: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(ids [T, K], logprobs [T, K]) per sequence, in load_sequences' order."""
     out = []
     for path in sorted((workdir / "data").glob("shard-*.safetensors")):
-        offs = load_file(str(path))["offsets"].tolist()
+        with safe_open(str(path), "pt") as shard:  # the offsets alone, not the shard's features again
+            offs = shard.get_tensor("offsets").tolist()
         teacher = load_file(str(teacher_path(path)))
         out += [(teacher["ids"][a:b], teacher["logprobs"][a:b]) for a, b in zip(offs, offs[1:])]
     return out
