@@ -26,6 +26,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tomllib
@@ -269,3 +270,43 @@ def test_every_package_folder_is_listed_in_pyproject():
     unlisted = [str(init.parent.relative_to(ROOT)) for folder in dirs.values() for init in folder.glob("*/__init__.py")
                 if init.parent not in listed]
     assert not unlisted, f"add these packages to [tool.setuptools] packages in pyproject.toml: {unlisted}"
+
+
+# Imports `kernels` the way a process started in the repository root does (`python -m pytest`,
+# `python -c`: the root is sys.path[0]) and reports which file Python gave for each name.
+_SHADOW_PROBE = r"""
+import json, sys
+import kernels
+import ddtree.kernels.tree
+print(json.dumps({"kernels": kernels.__file__, "ddtree.kernels.tree": ddtree.kernels.tree.__file__,
+                  "installed_marker": getattr(kernels, "INSTALLED_MARKER", None)}))
+"""
+
+
+def test_the_kernels_folder_does_not_shadow_the_pypi_package_of_that_name(tmp_path):
+    """Regression: transformers 5.25 made the PyPI package `kernels` a dependency and imports it
+    on the first model import. A process started in the repository root has the root first on
+    sys.path, so `import kernels` found this repository's `kernels/` folder (which is
+    `ddtree.kernels`), and `from transformers import LlamaConfig` failed with "cannot import name
+    'CUDAProperties' from 'kernels'": every test, in CI on a fresh clone. The folder now hands
+    the name to the installed package. A stand-in package later on sys.path plays the installed
+    one, so this holds whichever transformers is installed."""
+    installed = tmp_path / "site" / "kernels"
+    installed.mkdir(parents=True)
+    (installed / "__init__.py").write_text('INSTALLED_MARKER = "the installed kernels"\n')
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    proc = subprocess.run([sys.executable, "-c", _SHADOW_PROBE], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    found = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert found["installed_marker"] == "the installed kernels", found
+    assert Path(found["kernels"]) == installed / "__init__.py"
+    assert Path(found["ddtree.kernels.tree"]) == ROOT / "kernels" / "tree.py"
+
+
+def test_transformers_models_import_from_the_repository_root():
+    """The same failure as above, end to end, with whatever transformers is installed: a model
+    class imports in a process whose sys.path starts at the repository root."""
+    proc = subprocess.run([sys.executable, "-c", "from transformers import LlamaConfig, LlamaForCausalLM"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr
