@@ -275,7 +275,7 @@ def test_every_package_folder_is_listed_in_pyproject():
 # Imports `kernels` the way a process started in the repository root does (`python -m pytest`,
 # `python -c`: the root is sys.path[0]) and reports which file Python gave for each name.
 _SHADOW_PROBE = r"""
-import json, sys
+import json
 import kernels
 import ddtree.kernels.tree
 print(json.dumps({"kernels": kernels.__file__, "ddtree.kernels.tree": ddtree.kernels.tree.__file__,

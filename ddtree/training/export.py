@@ -9,6 +9,7 @@ import torch
 
 from ..workers.loading import LoadedTarget
 from .data import load_sequences
+from .teacher import TEACHER_TOP_K
 from .train import TrainConfig, evaluate_accuracy, init_drafter
 
 
@@ -73,4 +74,4 @@ def _loss_line(distill: float) -> str:
     if not distill:
         return "- loss: cross-entropy against the target's greedy token at each block position"
     return (f"- loss: {1 - distill:g} x the cross-entropy against the target's greedy token + {distill:g} x the "
-            "cross-entropy against its own top-32 distribution at each block position (soft labels)")
+            f"cross-entropy against its own top-{TEACHER_TOP_K} distribution at each block position (soft labels)")
