@@ -13,9 +13,10 @@ if __name__ == "kernels":
     import os
     import sys
 
-    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    _elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != _root]
+    _root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    _elsewhere = [p for p in sys.path if os.path.realpath(p or os.curdir) != _root]
     _spec = importlib.machinery.PathFinder.find_spec("kernels", _elsewhere)
+    # (realpath: the root reached through a link is still the root, not a second copy to run)
     if _spec is not None and _spec.loader is not None:
         _installed = importlib.util.module_from_spec(_spec)
         sys.modules["kernels"] = _installed
