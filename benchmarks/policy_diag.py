@@ -50,6 +50,13 @@ def main() -> None:
     step: dict = {}  # what the policy predicted for the step under way
     groups = collections.defaultdict(list)
     plan, choose, observe_round, observe_step = policy.plan, policy.choose, policy.observe_round, policy.observe_step
+    rest = policy.rest
+
+    def rested(estimates):  # a plain step that measures T(B) (`baseline_due`), not a plan's choice
+        out = rest(estimates)
+        step.clear()
+        step["why"] = "baseline"
+        return out
 
     def planned(batch, fixed_drafting, buckets, estimates, fixed_nodes=0):
         out = plan(batch, fixed_drafting, buckets, estimates, fixed_nodes)
@@ -81,6 +88,7 @@ def main() -> None:
         return observe_step(batch, q, verify_s, drafting, draft_s, other_s, nodes, context)
 
     policy.plan, policy.choose, policy.observe_round, policy.observe_step = planned, chosen, rounded, observed
+    policy.rest = rested
     med = statistics.median
     for c in (int(x) for x in args.concurrency.split(",")):
         for budget in (parse_budget(b) for b in args.budgets.split(",")):
@@ -104,7 +112,8 @@ def main() -> None:
             # every step, the small groups too: where the pass's step time went, by why it drafted
             totals = collections.defaultdict(lambda: [0, 0.0, 0.0])
             for (batch, nodes, drafted), v in groups.items():
-                kind = drafted if drafted != "-" else ("plain" if nodes == "0" else "lookup alone")
+                kind = drafted if drafted not in ("-", "baseline") else (
+                    ("plain" if drafted == "-" else "baseline") if nodes == "0" else "lookup alone")
                 for x in v:
                     totals[kind][0] += 1
                     totals[kind][1] += x[1] + x[3] + x[5]

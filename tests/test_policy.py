@@ -13,7 +13,8 @@ from ddtree.config import SamplingParams
 from ddtree.kernels.tree import Candidates, Lookup, build_tree, grow_tree
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.policy import (DEPTH_MARGIN, EMA, EXPLORE, EXPLORE_SHARE, FIRST_PROBE, HOPELESS_SHARE, HORIZON,
-                                    MIN_DRAFT_DEPTH, MIN_YIELD, MISFIT_STEPS, PLAIN_REFRESH, PLAIN_SEEN, Acceptance,
+                                    MIN_DRAFT_DEPTH, MIN_YIELD, MISFIT_STEPS, PLAIN_REFRESH, PLAIN_SEEN, ROW_FACTOR_FLOOR,
+                                    Acceptance,
                                     BudgetPolicy, CostCurve, TreeNodes, bin_of, by_bucket, tree_gains)
 from ddtree.workers.requests import Request
 from ddtree.workers.scheduler import BatchLimits, Scheduler
@@ -228,6 +229,24 @@ def test_a_row_factor_learnt_on_one_sequence_does_not_price_a_batchs_nodes():
     assert 1.35 < policy.row_factor(4) < 1.5 and policy.row_factor(7) == policy.row_factor(4)
     assert policy.row_factor(1) < 0.6  # a lone sequence keeps its own
     assert policy.verify_s(4, 9, 8) == pytest.approx(0.050 + policy.row_factor(4, 8) * 0.03375)
+
+
+def test_a_noisy_plain_step_never_prices_nodes_as_a_saving():
+    """Bug: a node's rows are priced at what steps with trees took past the plain T(B), the
+    difference of two noisy times. At 16 streams three plain steps of 118 ms (100 before) taught
+    T(16), steps with 4-9 nodes then took 90 ms, and the band's row factor fell to -0.41: every
+    node made the step cheaper by the model, so a tree that gains nothing looked worth verifying.
+    The factor stays at least ROW_FACTOR_FLOOR."""
+    policy = BudgetPolicy(packed=True)
+    policy.calibrate(CostCurve({1: 0.050, 9: 0.070, 16: 0.100, 17: 0.102, 33: 0.140}))
+    for _ in range(PLAIN_SEEN):
+        policy.observe_step(16, 1, 0.118, 0, 0.0, 0.0)
+    for _ in range(20):
+        policy.observe_step(16, 2, 0.090, 1, 0.0, 0.0, nodes=6)
+    assert policy.row_factor(16) == ROW_FACTOR_FLOOR and policy.row_factor(16, 6) == ROW_FACTOR_FLOOR
+    assert policy.node_rows_s(16, 6) > 0
+    # a tree whose nodes gain next to nothing is not verified: its rows cost, they do not save
+    assert policy.choose(16, [1, 2, 3, 5, 9], [[0.0, 0.001, 0.002, 0.003, 0.004]], draft_s=0.0).nodes == [0]
 
 
 def test_the_rest_of_a_step_is_learnt_apart_for_steps_with_trees():

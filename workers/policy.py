@@ -109,6 +109,7 @@ STALE = 24  # packed rows: nodes granted past the best rate seen before the poli
 ROW_DECAY = 0.95  # packed rows: per step with trees, the sums behind the row factor fade by this
 ROW_PRIOR_S = 0.05  # ... which starts at 1 as if this many seconds had been measured as calibrated
 SIZE_ROW_PRIOR_S = 0.01  # ... and one per step size, at the band's factor as if this many had (a few nodes: ~5 ms)
+ROW_FACTOR_FLOOR = 0.25  # ... and never below this: a node's rows never make a step cheaper
 PLAIN_SEEN = 3  # ... and learns only from batches whose plain step was seen this many times;
 # a batch of auto sequences alone decodes plainly until then (`baseline_due`) ...
 PLAIN_REFRESH = 128  # ... and once more after this many steps with trees in a row (at one stream, where
@@ -499,16 +500,21 @@ class BudgetPolicy:
     def row_factor(self, batch: int, nodes: int | None = None) -> float:
         """Measured over calibrated extra seconds of the recent steps with trees in batches of
         `batch`'s band (1 at first); with `nodes`, of those whose trees held about that many
-        nodes in all (`_size`; the band's factor at first). One factor for every batch once
+        nodes in all (`_size`; the band's factor at first), at least ROW_FACTOR_FLOOR.
+        The measured extra is a step's forward less the plain T(B), a difference of two noisy
+        times: at 16 streams three plain steps of 118 ms (100 before) taught T(16), steps with
+        4-9 nodes then took 90, and the band's factor fell to -0.41 -- every node priced as a
+        saving. One factor for every batch once
         priced a 4-sequence batch's nodes at what one sequence's had taught (0.47: its first
         rows ride the GEMM's register tiles), and auto granted 10-22-node trees at 4 streams
         that lost 13% to budget 4. One factor for every tree size, at one stream, priced 1-3
         nodes 7 ms dearer than they ran and 16 or more 9 ms cheaper: the calibrated curve's
         shape is not the live steps'."""
-        factor = _shrunk(self._extra.get(_band(batch), (0.0, 0.0)), 1.0, ROW_PRIOR_S)
+        factor = max(ROW_FACTOR_FLOOR, _shrunk(self._extra.get(_band(batch), (0.0, 0.0)), 1.0, ROW_PRIOR_S))
         if nodes is None:
             return factor
-        return _shrunk(self._extra.get((_band(batch), _size(nodes)), (0.0, 0.0)), factor, SIZE_ROW_PRIOR_S)
+        return max(ROW_FACTOR_FLOOR,
+                   _shrunk(self._extra.get((_band(batch), _size(nodes)), (0.0, 0.0)), factor, SIZE_ROW_PRIOR_S))
 
     def _step_time(self, batch: int, fixed_drafting: int, fixed_nodes: int):
         """seconds(q, k, context): a step of `batch` sequences in which `k` auto sequences fill
