@@ -112,8 +112,7 @@ def main() -> None:
             # every step, the small groups too: where the pass's step time went, by why it drafted
             totals = collections.defaultdict(lambda: [0, 0.0, 0.0])
             for (batch, nodes, drafted), v in groups.items():
-                kind = drafted if drafted not in ("-", "baseline") else (
-                    ("plain" if drafted == "-" else "baseline") if nodes == "0" else "lookup alone")
+                kind = drafted if drafted != "-" else ("plain" if nodes == "0" else "lookup alone")
                 for x in v:
                     totals[kind][0] += 1
                     totals[kind][1] += x[1] + x[3] + x[5]

@@ -488,8 +488,8 @@ class Scheduler:
     def _recalibrate(self, step_rows: int) -> None:
         """The target's T(r) measured again between two steps, where the live steps contradict
         the policy's curve (BudgetPolicy.misfit), over the row counts up to twice this step's rows
-        (at least RECALIBRATION_ROWS): ~1.5 s for SmolLM2 on 2 cores, where the start-up's counts
-        up to 1024 rows take ~16. The measurement's pages come from the pool's free ones and go
+        (at least RECALIBRATION_ROWS): 5.7-6.4 s for SmolLM2 on a 2-core AVX2 EPYC (3.7-4.1 before
+        every count to 16 was timed), where the start-up's counts up to 1024 rows take ~31. The measurement's pages come from the pool's free ones and go
         back; a pool with none left waits for the next step."""
         if not self.pool.free_pages:
             return
