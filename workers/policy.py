@@ -79,7 +79,7 @@ from __future__ import annotations
 import collections
 import heapq
 import math
-import statistics
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -104,7 +104,9 @@ MIN_YIELD = 0.25  # a band probes while at least this share of its probes is fol
 EXPLORE = 32  # ... or once this many of its steps have gone by without a probe ...
 EXPLORE_SHARE = 0.02  # ... and its last probe's net cost is at most this share of their seconds
 HOPELESS_SHARE = 0.005  # where even the best gains seen could not pay, a band still probes at this share
-CALIBRATION_CONTEXT = 64  # committed tokens before the rows `measure_step_cost` times
+CALIBRATION_CONTEXT = 64  # committed tokens before the rows `measure_step_cost` times ...
+DENSE_COUNT = 17  # ... and the counts up to this many rows (~0.9 s a round for SmolLM2 on 2 cores) ...
+DENSE_REPEATS = 9  # ... it times in at least this many rounds: their differences are a few ms
 STALE = 24  # packed rows: nodes granted past the best rate seen before the policy stops looking
 ROW_DECAY = 0.95  # packed rows: per step with trees, the sums behind the row factor fade by this
 ROW_PRIOR_S = 0.05  # ... which starts at 1 as if this many seconds had been measured as calibrated
@@ -949,23 +951,31 @@ def calibration_context(pool) -> int:
     return CALIBRATION_CONTEXT if pool.pages_for(CALIBRATION_CONTEXT + 1) <= pool.free_pages else 0
 
 
-def measure_step_cost(scheduler, counts: list[int], repeats: int = 3) -> dict[int, float]:
-    """Median seconds of one target forward over r rows after CALIBRATION_CONTEXT committed
-    tokens (none in a pool too small for them), per r in `counts` that fits the KV pool
-    (`measurable`), through the scheduler's target backend and pool (its pages go back after).
+def measure_step_cost(scheduler, counts: list[int], repeats: int = 3,
+                      dense_repeats: int = DENSE_REPEATS) -> dict[int, float]:
+    """Seconds of one target forward over r rows after CALIBRATION_CONTEXT committed tokens (none
+    in a pool too small for them), per r in `counts` that fits the KV pool (`measurable`), through
+    the scheduler's target backend and pool (its pages go back after): the least of its timings.
     What T(r) costs does not depend on the token values.
 
-    The counts are timed in rounds, a warm-up round and then `repeats`, each round in another
-    rotation of them (as benchmarks/verify_cost.py times them), so that a slow minute of a
-    shared machine weighs on every count alike rather than on the counts timed during it: one
-    start-up curve, timed count after count, put T(9)/T(1) at 1.26 where four later
-    measurements gave 1.51-1.64, and the policy granted 9-row trees where budget 4 ran faster."""
+    The counts are timed in rounds, a warm-up round and then `repeats` (the cheap counts, up to
+    DENSE_COUNT rows, in at least `dense_repeats`), each round in its own shuffled order, so that a
+    slow minute of a shared machine falls on different counts in each round; another process only
+    ever adds time, so the least timing of a count is the machine's. One start-up curve, timed
+    count after count, put T(9)/T(1) at 1.26 where four later measurements gave 1.51-1.64. One
+    timed as the median of 3 rounds in rotation (neighbouring counts timed back to back in every
+    round) said, on a 2-core AMD EPYC, T(3) 44 ms, T(4) 40, T(9) 49 and T(11)-T(16) 68-75 where
+    T(17) took 65; nine shuffled rounds on the same machine then gave T(3) 36-38, T(4) 38-39, T(8)
+    43-46, T(9) 49-50 (a tile's step), T(11) 51-53. On that shape a lone sequence's 3 nodes looked
+    2 ms dear where they took 8, and 8 nodes as cheap as 7: auto verified 3- and 8-node trees at
+    ~290 of ~315 steps a pass and ran 0.88x budget 4 at one stream."""
     target, pool = scheduler.target, scheduler.pool
     counts = measurable(scheduler, counts)
     context = calibration_context(pool)
     capture = tuple(scheduler.drafter.target_layer_ids) if scheduler.drafter is not None else ()
     g = torch.Generator().manual_seed(0)
     times: dict[int, list[float]] = {r: [] for r in counts}
+    cheap = [r for r in counts if r <= DENSE_COUNT]
     pages: list[int] = []
     pool.grow(pages, context + max(counts))  # every count's rows go to the same uncommitted slots
     try:
@@ -977,13 +987,14 @@ def measure_step_cost(scheduler, counts: list[int], repeats: int = 3) -> dict[in
             draw_positions=torch.arange(lo + 1, hi + 1)[None])
         if context:
             target.forward(batch(0, context))
-        for round_ in range(repeats + 1):  # round 0 warms up
-            shift = round_ % len(counts)
-            for r in counts[shift:] + counts[:shift]:
+        for round_ in range(max(repeats, dense_repeats if cheap else 0) + 1):  # round 0 warms up
+            order = list(counts if round_ <= repeats else cheap)
+            random.Random(round_).shuffle(order)
+            for r in order:
                 start = time.perf_counter()
                 target.forward(batch(context, context + r))
                 if round_:
                     times[r].append(time.perf_counter() - start)
     finally:
         pool.release(pages)
-    return {r: statistics.median(t) for r, t in times.items()}
+    return {r: min(t) for r, t in times.items()}
