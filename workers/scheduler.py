@@ -488,10 +488,11 @@ class Scheduler:
     def _recalibrate(self, step_rows: int) -> None:
         """The target's T(r) measured again between two steps, where the live steps contradict
         the policy's curve (BudgetPolicy.misfit), over the row counts up to twice this step's rows
-        (at least RECALIBRATION_ROWS), each in a warm-up and 2 rounds (the start-up times the cheap
-        counts in 9, `measure_step_cost`: here 14 s of stall): 5.7-6.4 s for SmolLM2 on a 2-core
-        AVX2 EPYC, where the start-up's counts up to 1024 rows take ~35. The measurement's pages
-        come from the pool's free ones and go back; a pool with none left waits for the next step."""
+        (at least RECALIBRATION_ROWS), each in a warm-up and 2 rounds: 5.5-6.4 s for SmolLM2 on a
+        2-core AVX2 EPYC (in the start-up's 9 rounds for the counts up to 17 rows,
+        `measure_step_cost`, a 14 s stall), where the start-up's counts up to 1024 rows take
+        ~35-40 s. The measurement's pages come from the pool's free ones and go back; a pool with
+        none left waits for the next step."""
         if not self.pool.free_pages:
             return
         most = min(self.limits.max_step_tokens, max(RECALIBRATION_ROWS, 2 * step_rows))
