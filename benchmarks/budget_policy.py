@@ -8,6 +8,16 @@ concurrency whose order is rotated and then reversed (so drift on a shared machi
 each cell sums its passes), in one process, one engine (budget auto: the policy keeps what it
 learned, as a server would).
 
+This host's speed drifts by a quarter within a minute (a GEMM loop timed every 2 s here ran
+36-63 sweeps/s), and a pass of five budgets at one stream spans ~2.5 minutes, so two budgets'
+passes met different hosts. `--slices k` cuts each pass's requests into k runs of consecutive
+requests (at least 3c each at c streams, so the drain of a closed loop stays a small share) and
+runs every budget's slice s before any budget's slice s + 1: each budget still runs the same
+requests, but the budgets are compared within tens of seconds. `--race r`: after
+`--race-after` passes, a fixed budget under r x the best fixed budget's tokens/s so far runs no
+more passes (plain decoding always runs, auto too): the time goes to the budgets that are
+close, and the table says how many passes each cell sums.
+
 With one max tokens for every request (the default), plain decoding's streams all finish at the
 same step and its batch never drains, while any budget that speeds some sequences more than
 others ends each pass in a ragged drain of small batches; `--length-spread s` gives request i
@@ -21,12 +31,13 @@ realized accepted tokens.
     python benchmarks/budget_policy.py [--concurrency 1,4,16,64] [--budgets 0,4,8,16,chain]
         [--per-file 4] [--max-tokens 64] [--requests-per-stream 2] [--min-requests 12]
         [--max-requests 64] [--warm-up 12] [--settle 0] [--lookup] [--files a.jsonl,b.jsonl]
-        [--length-spread 0.5] [--json out.json]
+        [--length-spread 0.5] [--slices 4] [--race 0.8] [--race-after 2] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import time
@@ -74,6 +85,13 @@ def main() -> None:
                         help="each request's max tokens drawn (seed 7) from max-tokens x [1 - s, 1 + s], the same "
                              "lengths for every budget: with one length for all, plain decoding's streams finish in "
                              "lockstep and its batch never drains, which no server's mixed lengths give it")
+    parser.add_argument("--slices", type=int, default=1,
+                        help="each pass's requests cut into this many runs (each at least 3 x streams requests), "
+                             "every budget's slice s run before any budget's slice s + 1: a finer interleave")
+    parser.add_argument("--race", type=float, default=0.0,
+                        help="after --race-after passes, a fixed budget under this share of the best fixed "
+                             "budget's tokens/s so far runs no more passes (plain and auto always run)")
+    parser.add_argument("--race-after", type=int, default=2)
     parser.add_argument("--json")
     args = parser.parse_args()
 
@@ -95,31 +113,42 @@ def main() -> None:
     for i, c in enumerate(levels):
         requests = min(args.max_requests, max(args.min_requests, int(round(c * args.requests_per_stream))))
         lengths = spread_lengths(args.max_tokens, args.length_spread, requests)
-        order = budgets[i % len(budgets):] + budgets[: i % len(budgets)]
-        rows = {}
+        cuts = slices(requests, c, args.slices)
+        rows, runs, active, turn = {}, {b: [] for b in budgets}, list(budgets), i  # runs: each pass's row
         for _ in range(args.settle):
             load_bench.run_inprocess(engine, prompts, "auto", c, c, lengths)
         for p in range(args.passes):
-            for budget in (order if p % 2 == 0 else order[::-1]):
-                r = load_bench.run_inprocess(engine, prompts, budget, c, requests, lengths)
+            if args.race and p >= args.race_after:
+                active = raced(active, rows, args.race)
+            done = {}
+            for lo, hi in cuts:
+                order = active[turn % len(active):] + active[: turn % len(active)]
+                for budget in (order if turn % 2 == 0 else order[::-1]):
+                    r = load_bench.run_inprocess(engine, [prompts[j % len(prompts)] for j in range(lo, hi)], budget,
+                                                 c, hi - lo, lengths[lo:hi] if isinstance(lengths, list) else lengths)
+                    done[budget] = merge(done[budget], r) if budget in done else r
+                turn += 1
+            for budget in active:
+                r = done[budget]
                 print(f"  streams {c} budget {budget} pass {p + 1}: {r.tokens_per_s:.1f} tok/s "
                       f"(every stream busy: {r.busy_tokens_per_s:.1f}), tau {r.tau or 0:.2f}",
                       flush=True)
                 rows[budget] = merge(rows[budget], r) if budget in rows else r
-        requests *= args.passes
-        tables.append((c, requests, [rows[b] for b in budgets]))
-        print(table(c, requests, [rows[b] for b in budgets]), flush=True)
+                runs[budget].append(copy.deepcopy(r))
+        tables.append((c, runs, [rows[b] for b in budgets]))
+        print(table(c, runs, [rows[b] for b in budgets]), flush=True)
 
     print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {engine.config.dtype}, "
           f"weights {engine.config.weights}; {len(prompts)} prompts ({' / '.join(files)} "
           f"interleaved), {args.max_tokens} new tokens"
           + (f" (each request's drawn from x [{1 - args.length_spread:g}, {1 + args.length_spread:g}])"
              if args.length_spread else "") + ", greedy")
-    for c, requests, rows in tables:
-        print(table(c, requests, rows))
+    for c, runs, rows in tables:
+        print(table(c, runs, rows))
     if args.json:
         Path(args.json).write_text(json.dumps(
-            [{"streams": c, "requests": n, "rows": [r.summary() for r in rows]} for c, n, rows in tables], indent=2))
+            [{"streams": c, "rows": [dict(r.summary(), passes=len(runs[r.budget])) for r in rows]}
+             for c, runs, rows in tables], indent=2))
 
 
 def spread_lengths(max_tokens: int, spread: float, requests: int) -> int | list[int]:
@@ -130,6 +159,21 @@ def spread_lengths(max_tokens: int, spread: float, requests: int) -> int | list[
     rng = random.Random(7)
     low, high = max(1, round(max_tokens * (1 - spread))), round(max_tokens * (1 + spread))
     return [rng.randint(low, high) for _ in range(requests)]
+
+
+def slices(requests: int, streams: int, k: int) -> list[tuple[int, int]]:
+    """A pass's requests 0 .. requests - 1 as at most k runs of consecutive requests, each at
+    least 3 x streams long (fewer runs where the pass is too short), as even as they divide."""
+    k = max(1, min(k, requests // (3 * streams)))
+    cuts = [round(requests * j / k) for j in range(k + 1)]
+    return list(zip(cuts, cuts[1:]))
+
+
+def raced(active: list, rows: dict, share: float) -> list:
+    """The budgets that run the next pass: auto, plain decoding, and each fixed budget whose
+    tokens/s so far is at least `share` of the best fixed budget's."""
+    best = max(rows[b].tokens_per_s for b in active if b != "auto")
+    return [b for b in active if b in ("auto", 0) or rows[b].tokens_per_s >= share * best]
 
 
 def merge(a: load_bench.LoadRow, b: load_bench.LoadRow) -> load_bench.LoadRow:
@@ -144,26 +188,36 @@ def merge(a: load_bench.LoadRow, b: load_bench.LoadRow) -> load_bench.LoadRow:
     return a
 
 
-def table(streams: int, requests: int, rows: list[load_bench.LoadRow]) -> str:
-    auto = rows[0]
-    fixed = rows[1:]
+def table(streams: int, runs: dict, rows: list[load_bench.LoadRow]) -> str:
+    """The cells as a markdown table. "Best fixed" is the best of the fixed budgets that ran every
+    pass; one raced out after n passes is weighed against auto's first n passes, on a line below."""
+    auto, passes = rows[0], {b: len(r) for b, r in runs.items()}
+    fixed = [r for r in rows[1:] if passes[r.budget] == passes["auto"]]
     best = max(fixed, key=lambda r: r.tokens_per_s)
     busiest = max(fixed, key=lambda r: r.busy_tokens_per_s)
     plain = next((r for r in fixed if r.budget == 0), None)
-    lines = [f"\n{streams} streams, {requests} requests: auto = {auto.tokens_per_s / best.tokens_per_s:.2f}x the best "
-             f"fixed budget ({best.budget})" + (f", {auto.tokens_per_s / plain.tokens_per_s:.2f}x plain" if plain else "")
+    lines = [f"\n{streams} streams, {auto.requests} requests in {passes['auto']} passes: auto = "
+             f"{auto.tokens_per_s / best.tokens_per_s:.2f}x the best fixed budget ({best.budget})"
+             + (f", {auto.tokens_per_s / plain.tokens_per_s:.2f}x plain" if plain else "")
              + f"; every stream busy: {auto.busy_tokens_per_s / busiest.busy_tokens_per_s:.2f}x ({busiest.budget})",
-             "| budget | tokens/s | vs best fixed | every stream busy: tokens/s | vs best fixed | tau "
+             "| budget | passes | tokens/s | vs best fixed | every stream busy: tokens/s | vs best fixed | tau "
              "| granted budgets (rounds) | predicted / realized accepted |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         granted = ", ".join(f"{b}: {n}" for b, n in sorted(r.granted.items(), key=lambda kv: str(kv[0])))
         ratio = f"{r.predicted:.0f} / {r.accepted} = {r.predicted / r.accepted:.2f}" if r.accepted else "-"
-        lines.append(f"| {r.budget} | {r.tokens_per_s:.1f} | {r.tokens_per_s / best.tokens_per_s:.2f}x | "
+        lines.append(f"| {r.budget} | {passes[r.budget]} | {r.tokens_per_s:.1f} | {r.tokens_per_s / best.tokens_per_s:.2f}x | "
                      f"{r.busy_tokens_per_s:.1f} | {r.busy_tokens_per_s / busiest.busy_tokens_per_s:.2f}x | "
                      f"{r.tau or 0:.2f} | {granted} | {ratio if r.budget == 'auto' else '-'} |")
+    for r in rows[1:]:
+        n = passes[r.budget]
+        if n < passes["auto"]:
+            same = runs["auto"][0]
+            for later in runs["auto"][1:n]:
+                same = merge(copy.deepcopy(same), later)
+            lines.append(f"- budget {r.budget} raced out after {n} passes: auto over those passes "
+                         f"{same.tokens_per_s / r.tokens_per_s:.2f}x it")
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     main()
