@@ -114,12 +114,12 @@ def main() -> None:
         requests = min(args.max_requests, max(args.min_requests, int(round(c * args.requests_per_stream))))
         lengths = spread_lengths(args.max_tokens, args.length_spread, requests)
         cuts = slices(requests, c, args.slices)
-        rows, runs, active, turn = {}, {b: [] for b in budgets}, list(budgets), i  # runs: each pass's row
+        runs, active, turn = {b: [] for b in budgets}, list(budgets), i  # runs: each budget's row per pass
         for _ in range(args.settle):
             load_bench.run_inprocess(engine, prompts, "auto", c, c, lengths)
         for p in range(args.passes):
             if args.race and p >= args.race_after:
-                active = raced(active, rows, args.race)
+                active = raced(active, {b: total(runs[b]) for b in active}, args.race)
             done = {}
             for lo, hi in cuts:
                 order = active[turn % len(active):] + active[: turn % len(active)]
@@ -133,10 +133,9 @@ def main() -> None:
                 print(f"  streams {c} budget {budget} pass {p + 1}: {r.tokens_per_s:.1f} tok/s "
                       f"(every stream busy: {r.busy_tokens_per_s:.1f}), tau {r.tau or 0:.2f}",
                       flush=True)
-                rows[budget] = merge(rows[budget], r) if budget in rows else r
-                runs[budget].append(copy.deepcopy(r))
-        tables.append((c, runs, [rows[b] for b in budgets]))
-        print(table(c, runs, [rows[b] for b in budgets]), flush=True)
+                runs[budget].append(r)
+        tables.append((c, runs, [total(runs[b]) for b in budgets]))
+        print(table(*tables[-1]), flush=True)
 
     print(f"\ntorch {torch.__version__}, {torch.get_num_threads()} threads, {engine.config.dtype}, "
           f"weights {engine.config.weights}; {len(prompts)} prompts ({' / '.join(files)} "
@@ -176,6 +175,14 @@ def raced(active: list, rows: dict, share: float) -> list:
     return [b for b in active if b in ("auto", 0) or rows[b].tokens_per_s >= share * best]
 
 
+def total(passes: list[load_bench.LoadRow]) -> load_bench.LoadRow:
+    """One cell of several passes (left as they are): their tokens over their seconds."""
+    cell = copy.deepcopy(passes[0])
+    for later in passes[1:]:
+        merge(cell, later)
+    return cell
+
+
 def merge(a: load_bench.LoadRow, b: load_bench.LoadRow) -> load_bench.LoadRow:
     """One cell of two passes: their tokens over their seconds."""
     for name in ("requests", "tokens", "seconds", "rounds", "round_tokens", "predicted", "accepted", "busy_tokens",
@@ -212,9 +219,7 @@ def table(streams: int, runs: dict, rows: list[load_bench.LoadRow]) -> str:
     for r in rows[1:]:
         n = passes[r.budget]
         if n < passes["auto"]:
-            same = copy.deepcopy(runs["auto"][0])
-            for later in runs["auto"][1:n]:
-                same = merge(same, later)
+            same = total(runs["auto"][:n])
             lines.append(f"- budget {r.budget} raced out after {n} passes: auto over those passes "
                          f"{same.tokens_per_s / r.tokens_per_s:.2f}x it")
     return "\n".join(lines)
