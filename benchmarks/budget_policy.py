@@ -131,7 +131,8 @@ def main() -> None:
             for budget in active:
                 r = done[budget]
                 print(f"  streams {c} budget {budget} pass {p + 1}: {r.tokens_per_s:.1f} tok/s "
-                      f"(every stream busy: {r.busy_tokens_per_s:.1f}), tau {r.tau or 0:.2f}",
+                      f"(every stream busy: {r.busy_tokens_per_s:.1f}), tau {r.tau or 0:.2f}"
+                      + (f", trees weighed at {engine.scheduler.policy.tree_rate(c):.2f}" if budget == "auto" else ""),
                       flush=True)
                 runs[budget].append(r)
         tables.append((c, runs, [total(runs[b]) for b in budgets]))

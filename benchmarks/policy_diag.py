@@ -99,7 +99,8 @@ def main() -> None:
             print(f"  row factors (B = 1 / 4 / 16) {policy.row_factor(1):.2f} / {policy.row_factor(4):.2f} / "
                   f"{policy.row_factor(16):.2f}, bias drafted / lookup alone {policy.bias():.2f} / "
                   f"{policy.bias(drafted=False):.2f}, D(1) {policy.draft.predict(1) * 1e3:.1f} ms, "
-                  f"c {policy.context_row_s * 1e6:.1f} us a context row")
+                  f"c {policy.context_row_s * 1e6:.1f} us a context row, trees weighed at (B = 1 / 4 / 16 / 64) "
+                  + " / ".join(f"{policy.tree_rate(b):.2f}" for b in (1, 4, 16, 64)))
             print("  | B | nodes | drafted (why) | steps | verify ms | draft ms | rest ms | accepted | tokens/s |")
             for (batch, nodes, drafted), v in sorted(groups.items(), key=lambda kv: (kv[0][0], ORDER.index(kv[0][1]), kv[0][2])):
                 if len(v) < 3 and drafted == "-":  # the drafted steps are few and each worth seeing

@@ -943,3 +943,31 @@ def test_plan_spreads_an_idle_sequences_context_catch_up_over_the_rounds_it_has_
     estimate.context = 2  # drafting every round: its rows are the steady ones
     estimate.remaining = 64
     assert estimate.priced_context() == 2
+
+
+def test_a_band_whose_trees_realize_less_than_predicted_weighs_them_down():
+    """Bug: the policy learns each piece of a step's cost and its trees' gains apart, and trusts
+    their sum. In run AD, after one, four and sixteen streams, auto verified trees at 10% of the
+    rounds at 64 streams and ran 0.91x plain; started afresh, 1% and 0.99x. Now each band keeps
+    what its steps with trees realized of the rate predicted for them, over what its plain steps
+    realized of theirs, and weighs trees by it: here a band's trees accept far fewer tokens than
+    predicted (nothing else learns that in this test), their options fall below plain, and a band
+    whose trees were never seen is left alone."""
+    policy = BudgetPolicy(packed=True)
+    policy.calibrate(CostCurve({1: 0.030, 5: 0.035, 9: 0.050, 64: 0.160, 72: 0.170, 80: 0.185}))
+    for batch in (1, 64):
+        for _ in range(PLAIN_SEEN + 5):  # plain steps as predicted: T(B) and the rest learnt
+            policy.observe_step(batch, 1, policy.verify.predict(batch), 0, 0.0, 0.005)
+    curves = [[0.0, 0.9, 1.5, 1.8]] * 8  # eight sequences whose trees look good
+    assert sum(policy.choose(64, [1, 2, 3, 4], curves, draft_s=0.0).nodes) > 0
+    assert policy.tree_rate(64) == 1.0
+    trees = 0
+    for _ in range(40):
+        decision = policy.choose(64, [1, 2, 3, 4], curves, draft_s=0.0)
+        nodes = sum(decision.nodes)
+        trees += nodes > 0
+        policy.observe_step(64, decision.q, policy.verify_s(64, decision.q, nodes), 0, 0.0,
+                            policy._other(decision.q).predict(64), nodes=nodes, accepted=0)  # the trees take nothing
+    assert policy.tree_rate(64) < 0.97 and 0 < trees < 40
+    assert policy.choose(64, [1, 2, 3, 4], curves, draft_s=0.0).nodes == [0] * 8
+    assert policy.tree_rate(1) == 1.0 and sum(policy.choose(1, [1, 2, 3, 4], curves[:1], draft_s=0.0).nodes) > 0
