@@ -213,8 +213,9 @@ class EngineServer:
     # --- streaming ---------------------------------------------------------------------------
 
     def _step_metrics(self, scheduler: Scheduler) -> None:
+        stats = scheduler.stats()
         self.metrics.set_batch(running=len(scheduler.running), queued=len(scheduler.waiting),
-                               recalibrations=scheduler.stats().get("recalibrations", 0))
+                               recalibrations=stats.get("recalibrations", 0), tree_rates=stats.get("tree_rates"))
 
     def _updates(self, request: Request) -> AsyncIterator[Update]:
         """The request's updates; raises ValueError or QueueFull at once if it cannot be queued."""

@@ -69,6 +69,9 @@ plan drafting that sequence for its gains (`probe_yield`), else once every EXPLO
 due sequences all at once, sharing the drafter's pass) and no sooner than its last such probe's
 net cost (`probe_cost`: its seconds past what its tokens take plain) is EXPLORE_SHARE of the
 band's time since: at 16 streams a probe of a new wave of sequences cost ~100 ms past its tokens.
+The pieces are learned apart, so each band also checks their sum against its steps as a whole:
+an option with trees is weighed at what the band's steps with trees realized of the rate
+predicted for them, over what its plain steps realized of theirs (`tree_rate`, at most 1).
 Sequences with a fixed budget keep it; Q never goes below what they need.
 
 The policy only chooses tree shapes, never tokens: output is the target's own at every Q.
@@ -698,6 +701,10 @@ class BudgetPolicy:
         trees = _shrunk(self._rates.get((band, True), (0.0, 0.0)), plain, RATE_PRIOR)
         return min(1.0, trees / max(plain, 1e-9))
 
+    def tree_rates(self) -> dict[str, float]:
+        """`tree_rate` of every band whose steps were seen, by its batch sizes ("1", "2-3", ...)."""
+        return {_band_name(band): self.tree_rate(1 << (band - 1)) for band in sorted({b for b, _ in self._rates})}
+
     def probe_cost(self, batch: int) -> float:
         """The net cost of the last probe in batches of `batch`'s band: its step's seconds past
         what its tokens take at the predicted plain step's rate (0 before any, or when it paid)."""
@@ -962,6 +969,11 @@ def _size(nodes: int) -> int:
 def _band(batch: int) -> int:
     """The batch sizes that share a row factor: 1, 2-3, 4-7, 8-15, ... (a power-of-two band)."""
     return batch.bit_length()
+
+
+def _band_name(band: int) -> str:
+    """The batch sizes of a band (`_band`): "1", "2-3", "4-7", ..."""
+    return "1" if band == 1 else f"{1 << (band - 1)}-{(1 << band) - 1}"
 
 
 def plausible(seconds: dict[int, float]) -> bool:

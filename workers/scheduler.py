@@ -599,4 +599,4 @@ class Scheduler:
         return {"running": len(self.running), "waiting": len(self.waiting) + len(self._arrivals),
                 "free_pages": self.pool.free_pages, "pages": self.pool.num_pages,
                 "preemptions": self.preemptions, "cancelled": self.cancelled,
-                "recalibrations": self.policy.recalibrations}
+                "recalibrations": self.policy.recalibrations, "tree_rates": self.policy.tree_rates()}
