@@ -562,7 +562,7 @@ class BudgetPolicy:
 
     def rest(self, estimates: list[SequenceEstimate]) -> list[bool]:
         """`plan` for a step that measures the plain baseline (`baseline_due`): none drafts."""
-        self.probed, self._step_accepted = set(), 0
+        self.probed, self._step_accepted, self._foreseen = set(), 0, None
         for e in estimates:
             e.idle += 1
         return [False] * len(estimates)
@@ -572,7 +572,8 @@ class BudgetPolicy:
         """Before drafting: which of the auto sequences (`estimates`) draft this step: those of
         the (Q, set) with the highest predicted rate from their recent gains, and the probes.
         `fixed_nodes`: the nodes the fixed budgets' trees ask for."""
-        self.probed, self._step_accepted = set(), 0
+        # a step starts here: a `choose` of a step whose rows were all preempted foresees nothing now
+        self.probed, self._step_accepted, self._foreseen = set(), 0, None
         if not estimates:  # a batch of fixed budgets only: nothing to plan
             return []
         band = _band(batch)
@@ -904,14 +905,14 @@ class BudgetPolicy:
             self.hope = {q: h + HOPE_RISE * (self.best_seen.get(q, h) - h) for q, h in self.hope.items()}
         step_s = sum(x for x in (verify_s, draft_s, other_s) if math.isfinite(x) and x > 0)
         band = _band(batch)
+        plain_s = self.verify.predict(batch) + self.other.predict(batch)  # predicted before this step teaches
         foreseen, self._foreseen = self._foreseen, None
         if foreseen is None and not nodes:  # no tree to choose (a baseline step, none drafted): plain
-            foreseen = batch / max(self.verify.predict(batch) + max(draft_s, 0.0) + self.other.predict(batch), 1e-9)
+            foreseen = batch / max(plain_s + max(draft_s, 0.0), 1e-9)
         if foreseen is not None and step_s > 0 and self.verify and self.other:
             realized = (batch + self._step_accepted) / step_s
             _fade_in(self._rates.setdefault((band, nodes > 0), [0.0, 0.0]), RATE_DECAY, realized / foreseen, 1.0)
-        if self.probed:  # what the probe cost past its tokens' time as plain steps (priced before this one teaches)
-            plain_s = self.verify.predict(batch) + self.other.predict(batch)
+        if self.probed:  # what the probe cost past its tokens' time as plain steps
             self._probe_cost[band] = max(0.0, step_s - plain_s * (batch + self._step_accepted) / batch)
         else:
             self._since_probe_s[band] = self._since_probe_s.get(band, 0.0) + step_s
