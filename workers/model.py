@@ -665,6 +665,9 @@ class SingleProcess:
     def _choose_packed(self, logits, sampling, seeds, draw_positions, packing: Packing) -> torch.Tensor:
         """choose_rows over packed logits [N, V] (every row kept): [B, Q], padding rows 0."""
         flat = torch.zeros(packing.batch * packing.q_len, dtype=torch.int64, device=logits.device)
+        if all(is_greedy(p) for p in sampling):  # the logits as they are: `logits[chosen]` copied [N, V]
+            flat[packing.index] = self.choose(logits, GREEDY, None, []).to(logits.device)
+            return flat.view(packing.batch, packing.q_len)
         owner = packing.sequences
         greedy = torch.tensor([is_greedy(p) for p in sampling], device=logits.device)
         chosen = greedy[owner].nonzero().view(-1)

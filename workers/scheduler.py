@@ -449,6 +449,10 @@ class Scheduler:
         dst_slots = self.pool.slots(tables, starts + torch.arange(width)[None, :].where(kept, 0))[kept]
         moved = src_slots != dst_slots
         self.target.move(src_slots[moved], dst_slots[moved])
+        # the accepted paths' target features in one gather, each row's a view of it (a gather
+        # per row was 64 small copies a step at 64 streams)
+        kept_features = None if out.features is None else out.features[
+            torch.arange(len(rows))[:, None].expand(-1, width)[kept], paths[:, :width][kept]].split(lengths)
         t4 = time.perf_counter()
 
         for b, (seq, tree) in enumerate(zip(rows, trees)):
@@ -456,8 +460,8 @@ class Scheduler:
             path = paths[b, :n]
             seq.length += n
             self.pool.shrink(seq.pages, seq.length + 1)
-            if out.features is not None and (seq.budget != 0 or self.record_features):
-                seq.features.append(out.features[b : b + 1, path])
+            if kept_features is not None and (seq.budget != 0 or self.record_features):
+                seq.features.append(kept_features[b][None])
                 if len(seq.features) >= FEATURE_CHUNKS:  # an idle auto sequence's: counted every step
                     seq.features = [torch.cat(seq.features, dim=1)]
             before = len(seq.output)
