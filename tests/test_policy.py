@@ -971,3 +971,115 @@ def test_a_band_whose_trees_realize_less_than_predicted_weighs_them_down():
     assert policy.tree_rate(64) < 0.97 and 0 < trees < 40
     assert policy.choose(64, [1, 2, 3, 4], curves, draft_s=0.0).nodes == [0] * 8
     assert policy.tree_rate(1) == 1.0 and sum(policy.choose(1, [1, 2, 3, 4], curves[:1], draft_s=0.0).nodes) > 0
+
+
+def test_no_lookup_chain_below_the_floor_pays_alone():
+    """At 64 streams the scheduler matched every sequence's context and priced its chain each
+    step (~3 ms of a ~150 ms step) for chains chosen at ~5% of the steps. Where nothing drafts,
+    it now skips the sequences whose chains could not reach `lookup_floor`: the floor must be a
+    bound, so however a batch's chains below it look deeper down, `choose` grants none of them a
+    node; and it is no bound at all where rows are nearly free (one stream on a flat curve)."""
+    policy = BudgetPolicy(packed=True)
+    policy.calibrate(CostCurve({1: 0.024, 9: 0.038, 17: 0.055, 65: 0.159, 129: 0.300, 1024: 2.4}))
+    for batch in (1, 64):
+        for _ in range(PLAIN_SEEN + 5):
+            policy.observe_step(batch, 1, policy.verify.predict(batch), 0, 0.0, 0.008)
+    floor = policy.lookup_floor(64, 10 * 64)
+    assert 0.2 < floor < 1.0, floor
+    g = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        firsts = floor * (1 - torch.rand(64, generator=g))  # (0, floor]
+        deeper = 1 - torch.rand(64, 9, generator=g) * 0.3  # later links at .7-1: long, likely chains
+        curves = [policy.chain_curve(Lookup([1] * 10, [math.log(p) for p in [float(f)] + d.tolist()], 3), 16)
+                  for f, d in zip(firsts, deeper)]
+        assert policy.choose(64, [1, 2, 3, 5, 9, 17], curves, draft_s=0.0).nodes == [0] * 64
+    above = [policy.chain_curve(Lookup([1] * 10, [math.log(0.999)] * 10, 3), 16)] * 64
+    assert sum(policy.choose(64, [1, 2, 3, 5, 9, 17], above, draft_s=0.0).nodes) > 0
+    flat = BudgetPolicy(CostCurve({1: 0.010, 1000: 0.0101}), packed=True)
+    flat.observe_step(1, 1, 0.010, 0, 0.0, 0.001)
+    assert flat.lookup_floor(1, 16) < 1e-3
+
+
+def test_where_no_chain_can_pay_alone_the_scheduler_builds_none(tiny_checkpoint, monkeypatch):
+    """The scheduler's side of `lookup_floor`: where each verify row costs a plain step, a
+    sequence that does not draft this step gets no chain built (only its probes' steps have
+    one); where rows are nearly free, it gets one every step. The tokens are the target's."""
+    from ddtree.workers.lookup import SequenceLookup
+
+    hf, target, _ = tiny_checkpoint("llama", 97)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]  # a repeating prompt: lookup finds a chain every step
+    reference = hf_greedy(hf, prompt, 30)
+    drafter = OracleDrafter(prompt + reference + [0] * 16, 97, 8, accuracy=1.0)
+    propose, calls = SequenceLookup.propose, []
+    def counted(self, *args, **kwargs):  # (a chain built, the context matched)
+        branch = propose(self, *args, **kwargs)
+        calls.append((branch is not None, bool(self.index.propose(10)[0])))
+        return branch
+
+    monkeypatch.setattr(SequenceLookup, "propose", counted)
+    for name, curve in [("flat", {1: 0.01, 130: 0.0101}), ("steep", {1: 0.01, 130: 1.30})]:
+        calls.clear()
+        scheduler = Scheduler.local(target, drafter, "auto", BatchLimits(max_num_seqs=2, max_step_tokens=2 * 65),
+                                    policy=FixedCosts(CostCurve(curve)), lookup=True)
+        [result] = scheduler.generate([Request(prompt, 30)])
+        assert result.tokens == reference
+        if name == "flat":
+            assert len(calls) == len(result.rounds) and all(built == matched for built, matched in calls)
+        else:
+            drafted = sum(r.probe for r in result.rounds)
+            assert 0 < drafted < len(result.rounds) and sum(built for built, _ in calls) <= drafted, (drafted, calls)
+            assert sum(matched and not built for built, matched in calls) >= len(result.rounds) // 2, calls
+
+
+def test_the_least_a_node_costs_is_found_at_the_ends_of_the_curves_pieces():
+    """`least_node_s` reads rows_s(n) / n at the ends of the curve's segments and of the row
+    factor's groups only (the plan and the lookup floor ask it every step); it must be the least
+    over every n, whatever the live steps taught the factors."""
+    g = torch.Generator().manual_seed(1)
+    for _ in range(30):
+        counts = sorted({1, 2, 3, 5, 9, 17, 33, 65, 129, 257} | set(torch.randint(2, 300, (4,), generator=g).tolist()))
+        seconds, total = {}, 0.02
+        for r in counts:
+            total += float(torch.rand(1, generator=g)) * 0.004 * (r - max([c for c in seconds] or [0]))
+            seconds[r] = total
+        policy = BudgetPolicy(CostCurve(seconds), packed=True)
+        for batch in (1, 7, 40):
+            for _ in range(PLAIN_SEEN):
+                policy.observe_step(batch, 1, policy.verify.predict(batch), 0, 0.0, 0.001)
+            for nodes in torch.randint(1, 120, (6,), generator=g).tolist():  # factors per band and group
+                extra = policy._shape_extra(batch, nodes) * (0.3 + 2 * float(torch.rand(1, generator=g)))
+                policy.observe_step(batch, 2, policy.verify.predict(batch) + extra, 0, 0.0, 0.001, nodes=nodes)
+            for most in (1, 6, 16, 100, 300):
+                brute = min(policy.node_rows_s(batch, n) / n for n in range(1, most + 1))
+                assert policy.least_node_s(batch, most) == pytest.approx(brute, rel=1e-12), (batch, most)
+
+
+def test_the_plan_passes_over_a_q_only_where_no_set_of_it_could_win():
+    """The plan skips a Q whose every sequence gains at most `node_floor` a node and `draft_floor`
+    (at 64 streams it priced ~300 sets a step to draft at ~1% of them). A shortcut, not a new rule: over
+    random gains, draft costs and catch-ups, at one stream and at 64, the sets it chooses are
+    the ones pricing every set chooses, and at 64 streams it does skip."""
+    g = torch.Generator().manual_seed(2)
+    policy = BudgetPolicy(packed=True)
+    policy.calibrate(CostCurve({1: 0.024, 9: 0.038, 17: 0.055, 65: 0.159, 129: 0.300, 1024: 2.4}))
+    for batch in (1, 64):
+        for _ in range(PLAIN_SEEN + 5):
+            policy.observe_step(batch, 1, policy.verify.predict(batch), 0, 0.0, 0.008)
+        policy.observe_step(batch, 5, policy.verify_s(batch, 5, 4), 1, 0.009, 0.009, nodes=4)
+    policy.observe_step(64, 5, policy.verify_s(64, 5, 40), 16, 0.030, 0.009, nodes=40)
+    buckets, skipped = [1, 2, 3, 5, 9, 17], 0
+    for _ in range(200):
+        batch = [1, 64][int(torch.randint(2, (1,), generator=g))]
+        scale = float(torch.rand(1, generator=g)) * 4
+        gains = {i: {q: scale * float(torch.rand(1, generator=g)) * (1 - 0.8 ** (q - 1)) for q in buckets}
+                 for i in range(batch)}
+        context = {i: int(torch.randint(0, 200, (1,), generator=g)) for i in range(batch)}
+        floors = policy.node_floor(batch, (max(buckets) - 1) * batch), policy.draft_floor(batch, batch)
+        assert min(floors) > 0
+        skipped += all(max(v[q] for v in gains.values()) <= floors[0] * (q - 1) + floors[1] for q in buckets[1:])
+        assert (policy._best_set(batch, 0, 0, buckets, gains, context, floors)
+                == policy._best_set(batch, 0, 0, buckets, gains, context)), (batch, scale)
+        most = int(torch.randint(1, 70, (1,), generator=g))
+        brute = min(policy.draft.predict(k) / k for k in range(1, most + 1)) * policy._plain_rate(batch)
+        assert policy.draft_floor(batch, most) == pytest.approx(brute, rel=1e-12)
+    assert skipped > 0

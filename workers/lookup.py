@@ -130,11 +130,14 @@ class SequenceLookup:
         self.calibration = LookupCalibration(SEQ_DECAY, prior=engine_wide)
         self.last: Lookup | None = None  # the branch proposed for the round in flight
 
-    def propose(self, output: list[int], length: int = LOOKUP_TOKENS) -> Lookup | None:
+    def propose(self, output: list[int], length: int = LOOKUP_TOKENS, floor: float = 0.0) -> Lookup | None:
         """The branch below the pending bonus output[-1]; the index first takes the output
-        tokens it has not seen."""
+        tokens it has not seen. None as well where the branch's first node would be no more
+        probable than `floor` (no deeper node of a chain is more probable than its first)."""
         self.index.extend(output[len(self.index.tokens) - self.prompt_tokens :])
         tokens, ngram = self.index.propose(length)
+        if tokens and floor and self.calibration.probability(ngram, 1) <= floor:
+            tokens = []
         self.last = self.calibration.branch(tokens, ngram) if tokens else None
         return self.last
 

@@ -73,12 +73,19 @@ The pieces are learned apart, so each band also checks their sum against its ste
 an option with trees is weighed at what the band's steps with trees realized of the rate
 predicted for them, over what its plain steps realized of theirs (`tree_rate`, at most 1).
 Sequences with a fixed budget keep it; Q never goes below what they need.
+Two shortcuts that change no decision keep auto's own work small where trees do not pay (many
+streams on a CPU): no set of sequences beats the plain step where each gains at most what its
+nodes' rows cost at the plain step's rate (`node_floor`: the least seconds a node, `least_node_s`,
+times that rate), so the plan does not price the sets of such a Q, and in a step where nothing
+drafts the scheduler builds and prices no lookup chain whose first node is too improbable to pay
+for its row alone (`lookup_floor`).
 
 The policy only chooses tree shapes, never tokens: output is the target's own at every Q.
 """
 
 from __future__ import annotations
 
+import bisect
 import collections
 import heapq
 import math
@@ -162,16 +169,18 @@ class CostCurve:
     def predict(self, size: int) -> float:
         if not self.points:
             return 0.0
-        sizes = list(self.points)
+        sizes = list(self.points)  # ascending: the points are kept sorted
         if size <= sizes[0]:
             return self.points[sizes[0]]
         if size >= sizes[-1]:
             return self.points[sizes[-1]] * size / sizes[-1]
-        for lo, hi in zip(sizes, sizes[1:]):
-            if lo <= size <= hi:
-                w = (size - lo) / (hi - lo)
-                return (1 - w) * self.points[lo] + w * self.points[hi]
-        raise AssertionError("unreachable")
+        # the plan prices ~30k sizes a pass at 64 streams: a scan of the points cost ~3 us each
+        i = bisect.bisect_left(sizes, size)
+        lo, hi = sizes[i - 1], sizes[i]
+        if hi == size:
+            return self.points[hi]
+        w = (size - lo) / (hi - lo)
+        return (1 - w) * self.points[lo] + w * self.points[hi]
 
     def observe(self, size: int, seconds: float) -> None:
         if size in self.points:
@@ -580,8 +589,10 @@ class BudgetPolicy:
         due = {i for i, e in enumerate(estimates) if e.gain is None or e.idle >= e.probe_after}
         context = {i: e.priced_context() for i, e in enumerate(estimates)}
         lines = self.foretold_lines()  # once a plan: 64 sequences x 8 Q's each took 0.3 ms
+        floors = (0.0, 0.0) if fixed_nodes else (self.node_floor(batch, (max(buckets) - 1) * len(estimates)),
+                                                  self.draft_floor(batch, len(estimates)))
         chosen = set(self._best_set(batch, fixed_drafting, fixed_nodes, buckets, {
-            i: self.foretell(e, lines) for i, e in enumerate(estimates) if i not in due}, context))
+            i: self.foretell(e, lines) for i, e in enumerate(estimates) if i not in due}, context, floors))
         for i, e in enumerate(estimates):  # what the probes of its last step came to
             if e.probed is not None and i not in due:
                 _fade_in(self._yield.setdefault(e.probed, [0.0, 0.0]), YIELD_DECAY, float(i in chosen), 1.0)
@@ -594,7 +605,7 @@ class BudgetPolicy:
             due = self._affordable(batch, fixed_drafting, fixed_nodes, due, whole)
         elif due and self.hope is not None:  # probe those that could pay, were they the best seen
             hopeful = {i: (self.hope if i in due else e.gain) for i, e in enumerate(estimates)}
-            due &= set(self._best_set(batch, fixed_drafting, fixed_nodes, buckets, hopeful, context))
+            due &= set(self._best_set(batch, fixed_drafting, fixed_nodes, buckets, hopeful, context, floors))
         self.probed = due
         if due:
             self._since_probe[band], self._since_probe_s[band] = 0, 0.0
@@ -713,16 +724,23 @@ class BudgetPolicy:
         return self._probe_cost.get(_band(batch), 0.0)
 
     def _best_set(self, batch: int, fixed_drafting: int, fixed_nodes: int, buckets: list[int],
-                  gains: dict[int, dict[int, float]], context: dict[int, float] | None = None) -> list[int]:
+                  gains: dict[int, dict[int, float]], context: dict[int, float] | None = None,
+                  floors: tuple[float, float] = (0.0, 0.0)) -> list[int]:
         """The sequences (keys of `gains`) whose drafting gives the highest predicted rate at
         the best Q: for each Q, the k with the largest gains, for every k; `context`: each
-        one's rows for the drafter to take in (priced at `context_row_s`)."""
+        one's rows for the drafter to take in (priced at `context_row_s`). `floors` (with no
+        fixed budget's nodes: `node_floor` and `draft_floor`): a Q whose every gain is at most
+        its Q - 1 nodes' floor and the draft's is passed over, as no set of it can beat the
+        plain step (at 64 streams the plan priced ~300 sets a step to draft at ~1% of them)."""
         best, best_rate = [], -1.0
         seconds = self._step_time(batch, fixed_drafting, fixed_nodes)
         context = context or {}
         trees = self.tree_rate(batch)
+        node, draft = floors if not fixed_nodes and buckets and buckets[0] == 1 else (0.0, 0.0)
         for q in buckets:
             gain = {i: g.get(q, 0.0) for i, g in gains.items()}
+            if q > 1 and (node or draft) and max(gain.values(), default=0.0) <= node * (q - 1) + draft:
+                continue  # its k = 0 is plain decoding with a tree step's rest: no better than Q = 1's
             order = sorted(gain, key=lambda i: -gain[i])
             tokens, rows = float(batch), 0
             for k in range(len(order) + 1):
@@ -735,6 +753,56 @@ class BudgetPolicy:
                 if rate > best_rate:
                     best, best_rate = order[:k], rate
         return best
+
+    def node_floor(self, batch: int, most: int) -> float:
+        """Packed rows: the expected accepted tokens a node must add for any set of up to `most`
+        nodes to raise a step of `batch` sequences above the plain step's predicted rate (0 where
+        this cannot be bounded). n nodes cost at least n c (c: the least seconds a node over up to
+        `most` of them, `least_node_s`) on top of the plain step (a draft and a step with trees'
+        rest only add to it) and gain at most n g, and (B + n g) / (S + n c) > B / S needs g > c B / S:
+        c times the plain step's rate."""
+        rate = self._plain_rate(batch)
+        return rate * self.least_node_s(batch, most) if rate and most > 0 else 0.0
+
+    def draft_floor(self, batch: int, most: int) -> float:
+        """`node_floor`'s part for the drafter: what a drafting sequence must gain on top of its
+        nodes' part, the least seconds the drafter's pass takes a sequence over up to `most` of
+        them (D(k) / k: within D's segments monotone in k, so the least lies at a point or an end)
+        times the plain step's rate."""
+        if most <= 0 or not self.draft:
+            return 0.0
+        ends = {1, most} | {k for k in self.draft.points if k <= most}
+        return self._plain_rate(batch) * min(self.draft.predict(k) / k for k in ends)
+
+    def _plain_rate(self, batch: int) -> float:
+        """B / (T(B) + O(B)), the plain step's predicted rate, where a step with trees' rest is no
+        cheaper than a plain one's (packed rows); else 0: no floor holds."""
+        if not self.packed or not self.verify or self._other(2).predict(batch) < self.other.predict(batch):
+            return 0.0
+        return batch / max(self.verify.predict(batch) + self.other.predict(batch), 1e-9)
+
+    def least_node_s(self, batch: int, most: int) -> float:
+        """min over n = 1 ... `most` of `node_rows_s(batch, n)` / n, exactly: within a group of
+        node counts (`_size`) the row factor is one number and the calibrated shape is linear
+        between its points (or its floor, a line through 0), and on a line a + b n the cost a node
+        a / n + b is monotone, so the least lies where a group or a segment ends."""
+        rows_s = self._rows_s(batch)
+        ends = {1, most} | {p - batch for p in self.shape.points} | {p - batch - 1 for p in self.shape.points}
+        for k in range(1, most.bit_length() + 1):
+            ends |= {(1 << k) - 1, 1 << k}
+        return min(rows_s(n) / n for n in ends if 1 <= n <= most)
+
+    def lookup_floor(self, batch: int, most: int) -> float:
+        """A step in which nothing drafts: the first-node probability at or below which no lookup
+        chain verified alone can raise the step's predicted rate above the plain step's, so the
+        scheduler builds and prices no such chain (0: every one). A chain's nodes gain at most p b
+        each (p: its first node's probability, which no deeper node's exceeds; b: the largest rank
+        correction of lookup chains, `bias`), so they pay only if p b > `node_floor`. At 64
+        streams, building and pricing every sequence's chain took ~2 ms a step, for chains chosen
+        at ~5% of the steps."""
+        floor = self.node_floor(batch, most)
+        most_bias = max(self.bias(False, 1 << g) for g in range(_size(max(most, 1))))  # ranks 1, 2, 4, ...
+        return floor / max(most_bias, 1e-9)
 
     def curve(self, tree: Tree, estimate: SequenceEstimate, most: int) -> list[float]:
         """This step's expected accepted tokens of `tree`'s first n nodes, n = 0 ... min(its

@@ -49,7 +49,7 @@ from .batch_backends import BatchDrafter, BatchTarget, DraftRows, LocalBatchDraf
 from .requests import (Budget, Request, Result, RoundStats, Update, accepted_sources, check_budget, check_request, check_stop,
                        tree_rows)
 from .kv_pool import PageAllocator, PoolFull
-from .lookup import BATCH_DECAY as LOOKUP_BATCH_DECAY, LookupCalibration, SequenceLookup
+from .lookup import BATCH_DECAY as LOOKUP_BATCH_DECAY, LOOKUP_TOKENS, LookupCalibration, SequenceLookup
 from .model import TreeBits
 from .policy import BudgetPolicy, CostCurve, SequenceEstimate, by_bucket, measure_step_cost
 
@@ -383,7 +383,10 @@ class Scheduler:
                 rows[b].features = []
                 candidates[b] = proposal
         t1 = time.perf_counter()
-        branches = {} if baseline else self._lookup_branches(rows)
+        # where nothing drafts, a chain too improbable to pay alone is not built or priced
+        floor = 0.0 if baseline or drafting or not estimates else self.policy.lookup_floor(
+            len(rows), min(buckets[-1] - 1, LOOKUP_TOKENS) * len(rows))
+        branches = {} if baseline else self._lookup_branches(rows, floor)
         # an auto sequence the plan left out verifies its lookup branch alone, if it has one
         auto_trees = sorted(set(auto) | {b for b in branches if rows[b].budget == "auto"})
         for b in auto_trees:
@@ -507,13 +510,14 @@ class Scheduler:
                        "again: %s (was %s)%s", misfits, measured, CostCurve(before),
                        "" if taken else "; not taken: it cannot be the machine's (is another process running?)")
 
-    def _lookup_branches(self, rows: list[_Sequence]) -> dict:
+    def _lookup_branches(self, rows: list[_Sequence], floor: float = 0.0) -> dict:
         """Row -> its lookup branch (kernels.tree.Lookup), for the rows with lookup on and a
-        match in their context."""
+        match in their context; `floor`: the first-node probability an auto row's chain must
+        beat (BudgetPolicy.lookup_floor), else it has none."""
         branches = {}
         for b, seq in enumerate(rows):
             if seq.lookup is not None and seq.drafting:
-                branch = seq.lookup.propose(seq.output)
+                branch = seq.lookup.propose(seq.output, floor=floor if seq.budget == "auto" else 0.0)
                 if branch is not None:
                     branches[b] = branch
         return branches
