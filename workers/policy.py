@@ -75,8 +75,9 @@ predicted for them, over what its plain steps realized of theirs (`tree_rate`, a
 Sequences with a fixed budget keep it; Q never goes below what they need.
 Two shortcuts that change no decision keep auto's own work small where trees do not pay (many
 streams on a CPU): no set of sequences beats the plain step where each gains at most what its
-nodes' rows cost at the plain step's rate (`node_floor`: the least seconds a node, `least_node_s`,
-times that rate), so the plan does not price the sets of such a Q, and in a step where nothing
+nodes' rows and its draft cost at the plain step's rate (`node_floor`: the least seconds a node,
+`least_node_s`, times that rate; `draft_floor`: the least seconds the drafter takes a sequence,
+likewise), so the plan does not price the sets of such a Q, and in a step where nothing
 drafts the scheduler builds and prices no lookup chain whose first node is too improbable to pay
 for its row alone (`lookup_floor`).
 
@@ -787,7 +788,7 @@ class BudgetPolicy:
         between its points (or its floor, a line through 0), and on a line a + b n the cost a node
         a / n + b is monotone, so the least lies where a group or a segment ends."""
         rows_s = self._rows_s(batch)
-        ends = {1, most} | {p - batch for p in self.shape.points} | {p - batch - 1 for p in self.shape.points}
+        ends = {1, most} | {p - batch for p in self.shape.points}
         for k in range(1, most.bit_length() + 1):
             ends |= {(1 << k) - 1, 1 << k}
         return min(rows_s(n) / n for n in ends if 1 <= n <= most)
