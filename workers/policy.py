@@ -443,6 +443,7 @@ class BudgetPolicy:
         self._plain_seen: dict[int, int] = {}
         self._since_plain: dict[int, int] = {}  # per batch size: its steps with trees since its last plain one
         self.misfits = 0
+        self._node_floor: tuple = (None, 0.0)  # (batch, most) and its `node_floor`, until a step teaches the costs
 
     def misfit(self) -> bool:
         """Whether the live steps contradict T(r) so that it should be measured again: the target's
@@ -590,7 +591,7 @@ class BudgetPolicy:
         due = {i for i, e in enumerate(estimates) if e.gain is None or e.idle >= e.probe_after}
         context = {i: e.priced_context() for i, e in enumerate(estimates)}
         lines = self.foretold_lines()  # once a plan: 64 sequences x 8 Q's each took 0.3 ms
-        floors = (0.0, 0.0) if fixed_nodes else (self.node_floor(batch, (max(buckets) - 1) * len(estimates)),
+        floors = (0.0, 0.0) if fixed_nodes else (self.node_floor(batch, (max(buckets) - 1) * batch),
                                                   self.draft_floor(batch, len(estimates)))
         chosen = set(self._best_set(batch, fixed_drafting, fixed_nodes, buckets, {
             i: self.foretell(e, lines) for i, e in enumerate(estimates) if i not in due}, context, floors))
@@ -762,8 +763,10 @@ class BudgetPolicy:
         `most` of them, `least_node_s`) on top of the plain step (a draft and a step with trees'
         rest only add to it) and gain at most n g, and (B + n g) / (S + n c) > B / S needs g > c B / S:
         c times the plain step's rate."""
-        rate = self._plain_rate(batch)
-        return rate * self.least_node_s(batch, most) if rate and most > 0 else 0.0
+        if self._node_floor[0] != (batch, most):  # the plan's and the lookup's of one step: computed once
+            rate = self._plain_rate(batch)
+            self._node_floor = (batch, most), rate * self.least_node_s(batch, most) if rate and most > 0 else 0.0
+        return self._node_floor[1]
 
     def draft_floor(self, batch: int, most: int) -> float:
         """`node_floor`'s part for the drafter: what a drafting sequence must gain on top of its
@@ -970,6 +973,7 @@ class BudgetPolicy:
         `observe_round` counted this step, unless given)."""
         if accepted is not None:
             self._step_accepted = accepted
+        self._node_floor = (None, 0.0)  # what follows teaches the costs it is made of
         if not drafting and self.hope is not None:
             self.hope = {q: h + HOPE_RISE * (self.best_seen.get(q, h) - h) for q, h in self.hope.items()}
         step_s = sum(x for x in (verify_s, draft_s, other_s) if math.isfinite(x) and x > 0)

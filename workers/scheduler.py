@@ -49,7 +49,7 @@ from .batch_backends import BatchDrafter, BatchTarget, DraftRows, LocalBatchDraf
 from .requests import (Budget, Request, Result, RoundStats, Update, accepted_sources, check_budget, check_request, check_stop,
                        tree_rows)
 from .kv_pool import PageAllocator, PoolFull
-from .lookup import BATCH_DECAY as LOOKUP_BATCH_DECAY, LOOKUP_TOKENS, LookupCalibration, SequenceLookup
+from .lookup import BATCH_DECAY as LOOKUP_BATCH_DECAY, LookupCalibration, SequenceLookup
 from .model import TreeBits
 from .policy import BudgetPolicy, CostCurve, SequenceEstimate, by_bucket, measure_step_cost
 
@@ -385,7 +385,7 @@ class Scheduler:
         t1 = time.perf_counter()
         # where nothing drafts, a chain too improbable to pay alone is not built or priced
         floor = 0.0 if baseline or drafting or not estimates else self.policy.lookup_floor(
-            len(rows), min(buckets[-1] - 1, LOOKUP_TOKENS) * len(rows))
+            len(rows), (buckets[-1] - 1) * len(rows))  # the plan's node floor of this step
         branches = {} if baseline else self._lookup_branches(rows, floor)
         # an auto sequence the plan left out verifies its lookup branch alone, if it has one
         auto_trees = sorted(set(auto) | {b for b in branches if rows[b].budget == "auto"})
