@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from .sampling import inverse_cdf, uniform
 from .tree import Candidates, Tree, ancestor_mask, compact_kv, walk_tree
 from .tree_batch import TreeBatch, TreeMeta, WalkBatch, pack_bits, unpack_bits
-from .triton_support import use_triton
+from .triton_support import ATTENTION_HEAD_DIMS, use_triton
 
 
 # --- 1. mask / position metadata ---------------------------------------------------------------
@@ -54,7 +54,7 @@ def tree_metadata_ref(batch: TreeBatch, start: torch.Tensor) -> TreeMeta:
 
 
 def tree_attention(q, k, v, prefix: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    if use_triton(q):
+    if use_triton(q) and q.shape[-1] in ATTENTION_HEAD_DIMS:
         from .triton_kernels import tree_attention_triton
 
         return tree_attention_triton(q, k, v, prefix, bits)

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .tree_batch import TreeBatch, TreeMeta, WalkBatch, words
-from .triton_support import next_pow2
+from .triton_support import ATTENTION_HEAD_DIMS, next_pow2
 
 
 # --- 1. mask / position metadata from the parent array ------------------------------------------
@@ -138,7 +138,7 @@ def tree_attention_triton(q, k, v, prefix: torch.Tensor, bits: torch.Tensor, blo
     hkv = k.shape[1]
     assert k.shape[0] == b and v.shape == k.shape and k.shape[3] == d and hq % hkv == 0
     assert bits.shape == (b, q_len, words(q_len)) and bits.dtype == torch.int32
-    assert d in (16, 32, 64, 128, 256), f"head_dim {d} is not a supported tile width"
+    assert d in ATTENTION_HEAD_DIMS, f"head_dim {d} is not a supported tile width"
     assert q.stride(3) == k.stride(3) == v.stride(3) == 1 and bits.stride(2) == 1
     out = torch.empty_like(q)
     grid = (triton.cdiv(q_len, block_m), b * hq)

@@ -24,5 +24,10 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and triton_available()
 
 
+# The head widths the tree-attention kernel has a tile for (one power of two a tile row); a
+# model with another (Phi's 80, say, or a tiny test model's 8) attends through the reference.
+ATTENTION_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()

@@ -82,6 +82,29 @@ def test_tree_attention_kernel_equals_reference(mixed_batch, head_dim, heads, kv
     torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("head_dim", [8, 80])
+def test_head_widths_the_kernel_has_no_tile_for_attend_through_the_reference(mixed_batch, monkeypatch, head_dim):
+    """Regression, from the first `make gpu-check` on an H200: the engine on CUDA sent every tree
+    attention to the Triton kernel, which tiles head widths 16, 32, ..., 256 only, so a model
+    of another width (the published-checkpoint fixture's 8; Phi's 80) crashed at the kernel's
+    assert on its first tree. The dispatch now runs the torch reference for such a width. On
+    CPU the CUDA branch is taken by routing CPU tensors to the kernels (as the engine test
+    below does); under the interpreter a kernel call for these widths would raise."""
+    if DEVICE == "cpu":
+        monkeypatch.setattr(batched, "use_triton", lambda t: True)
+    _, batch = mixed_batch
+    prefix = torch.tensor([0, 37, 5, 70, 1], device=DEVICE)
+    bits = batched.tree_metadata_ref(TreeBatch(batch.tokens.cpu(), batch.parents.cpu(), batch.sizes.cpu()), prefix.cpu()).bits
+    g = torch.Generator().manual_seed(head_dim)
+    slots = int(prefix.max()) + Q_LEN + 3
+    q = torch.randn(5, 4, Q_LEN, head_dim, generator=g)
+    k = torch.randn(5, 2, slots, head_dim, generator=g)
+    v = torch.randn(5, 2, slots, head_dim, generator=g)
+    got = batched.tree_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), prefix, bits.to(DEVICE))
+    want = batched.tree_attention_ref(q, k, v, prefix.cpu(), bits)
+    torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
+
+
 def test_tree_attention_on_a_cache_layer_view():
     """The engine passes cache.k[layer]: a strided view of [L, B, Hkv, S, D]."""
     tree = random_tree(17, 50, seed=3)
