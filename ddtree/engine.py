@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -70,9 +71,8 @@ def engine_threads(config: ModelPairConfig) -> tuple[int, str]:
     cores this process may run on."""
     if config.threads is not None:
         return config.threads, "threads in the config"
-    import ray
-
-    if ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
+    ray = sys.modules.get("ray")  # a process that never imported Ray is no Ray actor
+    if ray is not None and ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
         return max(1, int(cpus)), f"Ray reserved {cpus:g} CPUs for this actor"
     return len(os.sched_getaffinity(0)), "the cores this process may run on"

@@ -42,7 +42,10 @@ def _ray_init_only_in_ray_tests(request, monkeypatch):
     """In a test without the `ray` mark, ray.init is an error, so an unmarked test cannot start a
     cluster in the fast tier unnoticed."""
     if request.node.get_closest_marker("ray") is None:
-        import ray
+        try:
+            import ray
+        except ImportError:  # a machine without Ray (gpu-check's) has no cluster to start
+            return
 
         def refuse(*args, **kwargs):
             raise RuntimeError(f"{request.node.nodeid} starts Ray: use the ray_cluster fixture or mark it @pytest.mark.ray")

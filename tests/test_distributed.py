@@ -9,6 +9,7 @@ SchedulerActor's Scheduler at TP=2 must give the in-process Scheduler's tokens f
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -221,3 +222,25 @@ def test_tp2_equals_tp1_on_smollm2(ray_cluster, smollm2):
         engine.shutdown()
     assert checked == len(cases) * len(BUDGETS)
     assert not failures, f"TP=2 diverged from TP=1 beyond a near-tie: {failures}"
+
+
+def test_an_engine_in_a_ray_actor_runs_as_many_threads_as_cpus_ray_reserved_it(ray_cluster):
+    """A replica's intra-op threads are the CPUs Ray reserved for its actor (two processes with 2
+    OpenMP threads each on 2 cores slow a GEMM 10-30x); outside an actor, the cores this process
+    may run on. The check reads Ray from the modules already imported (a process that never
+    imported Ray is no actor; gpu-check's machine has no Ray at all), so it must still see the
+    actor from inside one."""
+    from ddtree.config import ModelPairConfig
+    from ddtree.engine import engine_threads
+
+    @ray.remote(num_cpus=3)
+    class Replica:
+        def threads(self):
+            return engine_threads(ModelPairConfig())
+
+    actor = Replica.remote()
+    threads, why = ray.get(actor.threads.remote())
+    ray.kill(actor)
+    assert threads == 3 and "Ray reserved 3 CPUs" in why
+    assert engine_threads(ModelPairConfig()) == (len(os.sched_getaffinity(0)), "the cores this process may run on")
+    assert engine_threads(ModelPairConfig(threads=5)) == (5, "threads in the config")
