@@ -11,7 +11,9 @@
 4. the verify-cost curve T(q)/T(1), q = 1, 17, 33, 65, 129, of a randomly initialised target
    with Qwen3-8B's shapes in bf16 (1024 committed tokens);
 5. SmolLM2-135M-Instruct end to end: tokens/s of every budget (auto too) against budget 0, one
-   stream and 16 at once, and whether each budget's tokens equal budget 0's.
+   stream and 16 at once, and whether each budget's tokens equal budget 0's;
+6. the budget policy's start-up T(r) on the same random target, with and without the target
+   backend's wait for the GPU.
 
 A section that fails prints its traceback and the next one still runs (one lease, every answer).
 
@@ -235,6 +237,38 @@ def verify_cost_curve() -> None:
         print(f"| {q} | {ms:.2f} | {ms / times[1]:.2f} |")
 
 
+def policy_cost_curve() -> None:
+    """The budget policy's T(r) as the engine measures it at start-up (`measure_step_cost`,
+    through the scheduler's target backend, CALIBRATION_CONTEXT committed tokens), on the random
+    Qwen3-8B-shaped target: as it is, and with the backend's wait for the GPU removed (what the
+    policy saw before it waited: launch time), beside CUDA-event timings of the same forwards."""
+    from unittest import mock
+
+    from ddtree.workers.model import ModelConfig, TargetModel
+    from ddtree.workers.policy import measure_step_cost
+    from ddtree.workers.scheduler import BatchLimits, Scheduler
+
+    section("6. the policy's start-up T(r) on the Qwen3-8B-shaped target: with and without waiting for the GPU")
+    config = ModelConfig("qwen3", 151936, 4096, 12288, 36, 32, 8, 128, 1e6, 1e-6, False, max_position_embeddings=40960)
+    with torch.device("meta"):
+        model = TargetModel(config)
+    model = model.to_empty(device="cuda").to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    scheduler = Scheduler.local(model, None, 0, BatchLimits(max_num_seqs=4, max_step_tokens=1024, kv_cache_tokens=4096))
+    counts = [1, 9, 17, 65, 129, 257, 513, 1024]
+    waited = measure_step_cost(scheduler, counts, repeats=3, dense_repeats=3)
+    with mock.patch.object(torch.cuda, "synchronize", lambda *a, **k: None):
+        launched = measure_step_cost(scheduler, counts, repeats=3, dense_repeats=3)
+    torch.cuda.synchronize()
+    print("| r | T(r) ms, waiting | T(r)/T(1) | launch-only ms | T(r)/T(1) |")
+    print("|---|---|---|---|---|")
+    for r in counts:
+        print(f"| {r} | {1000 * waited[r]:.2f} | {waited[r] / waited[1]:.2f} | {1000 * launched[r]:.2f} | "
+              f"{launched[r] / launched[1]:.2f} |")
+
+
 def smollm2_end_to_end() -> None:
     from ddtree.config import ModelPairConfig, SamplingParams
     from ddtree.engine import Engine
@@ -278,7 +312,7 @@ def smollm2_end_to_end() -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-tests", action="store_true")
-    ap.add_argument("--only", default="1,2,3,4,5", help="the sections to run, e.g. 1,5")
+    ap.add_argument("--only", default="1,2,3,4,5,6", help="the sections to run, e.g. 1,5")
     args = ap.parse_args()
     only = {int(n) for n in args.only.split(",")}
     if not torch.cuda.is_available():
@@ -302,7 +336,7 @@ def main() -> int:
     sections = [(1, "parity tests", lambda: parity_tests() == 0), (3, "CUDA-graph verify", cuda_graph_check),
                 (5, "SmolLM2 end to end", smollm2_end_to_end),
                 (4, "verify cost curve", verify_cost_curve),  # its 16 GB random target is gone with the function
-                (2, "kernel timings", kernel_timings)]
+                (2, "kernel timings", kernel_timings), (6, "policy cost curve", policy_cost_curve)]
     for number, name, fn in sections:
         if number in only and not (number == 1 and args.skip_tests):
             part(name, fn)

@@ -126,6 +126,11 @@ class LocalBatchTarget:
                          self.storage.batch(batch.tables, batch.lengths), batch.capture, batch.logits_to_keep, rows)
         choices = self.model.parallel.choose_rows(out.logits, batch.sampling, batch.seeds, batch.draw_positions,
                                                   out.packing)
+        if dev.type == "cuda":
+            # CUDA launches return before the GPU is done, and the budget policy learns T(r) from
+            # this time (at start-up and from every step): without the wait it saw launch time
+            # alone, and the GPU's work was charged to the walk that reads the choices next
+            torch.cuda.synchronize(dev)
         return TargetStep(choices, out.features, time.perf_counter() - t0)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
