@@ -209,13 +209,11 @@ def cuda_graph_check() -> bool:
     return ok
 
 
-def verify_cost_curve() -> None:
-    from ddtree.kernels.batched import tree_metadata
-    from ddtree.kernels.tree import Tree
-    from ddtree.kernels.tree_batch import TreeBatch
-    from ddtree.workers.model import ModelConfig, TargetModel, TreeBits
+def qwen3_8b_shaped_target():
+    """A target with Qwen3-8B's shapes, random weights (what a step costs does not depend on
+    them), bf16 on the GPU: ~16 GB."""
+    from ddtree.workers.model import ModelConfig, TargetModel
 
-    section("4. verify cost T(q)/T(1), random target with Qwen3-8B's shapes, bf16, 1024 committed tokens")
     config = ModelConfig("qwen3", 151936, 4096, 12288, 36, 32, 8, 128, 1e6, 1e-6, False, max_position_embeddings=40960)
     with torch.device("meta"):
         model = TargetModel(config)
@@ -223,6 +221,17 @@ def verify_cost_curve() -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
+    return model
+
+
+def verify_cost_curve() -> None:
+    from ddtree.kernels.batched import tree_metadata
+    from ddtree.kernels.tree import Tree
+    from ddtree.kernels.tree_batch import TreeBatch
+    from ddtree.workers.model import TreeBits
+
+    section("4. verify cost T(q)/T(1), random target with Qwen3-8B's shapes, bf16, 1024 committed tokens")
+    model = qwen3_8b_shaped_target()
     times = {}
     for q in (1, 17, 33, 65, 129):
         cache = model.new_cache(1, 1024 + q + 8)
@@ -241,21 +250,14 @@ def policy_cost_curve() -> None:
     """The budget policy's T(r) as the engine measures it at start-up (`measure_step_cost`,
     through the scheduler's target backend, CALIBRATION_CONTEXT committed tokens), on the random
     Qwen3-8B-shaped target: as it is, and with the backend's wait for the GPU removed (what the
-    policy saw before it waited: launch time), beside CUDA-event timings of the same forwards."""
+    policy saw before it waited: launch time). Section 4 times the bare forward by CUDA events."""
     from unittest import mock
 
-    from ddtree.workers.model import ModelConfig, TargetModel
     from ddtree.workers.policy import measure_step_cost
     from ddtree.workers.scheduler import BatchLimits, Scheduler
 
     section("6. the policy's start-up T(r) on the Qwen3-8B-shaped target: with and without waiting for the GPU")
-    config = ModelConfig("qwen3", 151936, 4096, 12288, 36, 32, 8, 128, 1e6, 1e-6, False, max_position_embeddings=40960)
-    with torch.device("meta"):
-        model = TargetModel(config)
-    model = model.to_empty(device="cuda").to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
+    model = qwen3_8b_shaped_target()
     scheduler = Scheduler.local(model, None, 0, BatchLimits(max_num_seqs=4, max_step_tokens=1024, kv_cache_tokens=4096))
     counts = [1, 9, 17, 65, 129, 257, 513, 1024]
     waited = measure_step_cost(scheduler, counts, repeats=3, dense_repeats=3)
