@@ -738,7 +738,7 @@ class BudgetPolicy:
         seconds = self._step_time(batch, fixed_drafting, fixed_nodes)
         context = context or {}
         trees = self.tree_rate(batch)
-        node, draft = floors if not fixed_nodes and buckets and buckets[0] == 1 else (0.0, 0.0)
+        node, draft = floors if buckets and buckets[0] == 1 else (0.0, 0.0)  # the plan gives none with fixed nodes
         for q in buckets:
             gain = {i: g.get(q, 0.0) for i, g in gains.items()}
             if q > 1 and (node or draft) and max(gain.values(), default=0.0) <= node * (q - 1) + draft:
