@@ -49,16 +49,17 @@ def _drafts_along(target: LoadedTarget, drafter, prompt: list[int], output: list
     drafting there sees in generation -- the target's features of every token before it. One
     target pass over the whole sequence and the drafter's batched block forward; no tree is
     verified, because the target's choice at every node of the path is already known."""
-    seq = torch.tensor(prompt + output)
-    n = len(seq)
     model = target.model
-    out = model(seq[None], torch.arange(n)[None], model.prefill_mask(n), model.new_cache(1, n), drafter.target_layer_ids)
+    seq = torch.tensor(prompt + output, device=model.device)
+    n = len(seq)
+    out = model(seq[None], torch.arange(n, device=model.device)[None], model.prefill_mask(n), model.new_cache(1, n),
+                drafter.target_layer_ids)
     features = out.features[0]
     vocab = drafter.draft_vocab.tolist() if drafter.draft_vocab is not None else None
     drafts = []
-    anchors = torch.arange(len(prompt), n - 1)
+    anchors = torch.arange(len(prompt), n - 1, device=model.device)
     for chunk in anchors.split(32):
-        logprobs = torch.log_softmax(drafter.block_logits(features, seq, chunk).double(), dim=-1)
+        logprobs = torch.log_softmax(drafter.block_logits(features, seq, chunk).double(), dim=-1).cpu()
         for row in logprobs:
             c = Candidates.top_k(row, k)
             if vocab is not None:  # indices into the draft vocabulary -> token ids (both ascending)

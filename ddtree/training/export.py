@@ -30,19 +30,19 @@ def stage_export(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_id
     larger part of a draft's work) for the few rare tokens it could still have proposed."""
     if vocab_keep is not None and vocab_keep < 1:
         raise ValueError(f"vocab_keep must be at least 1, got {vocab_keep}")
-    saved = torch.load(workdir / "train" / "checkpoint.pt", weights_only=False)
-    drafter = init_drafter(target, cfg, layer_ids, saved["drafter"])
+    saved = torch.load(workdir / "train" / "checkpoint.pt", weights_only=False, map_location="cpu")
+    drafter = init_drafter(target, cfg, layer_ids, saved["drafter"]).to(target.model.device)
     sequences = load_sequences(workdir)
     held_out = sequences[: saved["state"].get("held_out") or max(1, int(len(sequences) * cfg.held_out))]
     trained_vocab = drafter.config.draft_vocab_size or drafter.config.vocab_size
     cut = vocab_keep is not None and vocab_keep < trained_vocab
     if cut:  # counted over the training sequences only: the held-out accuracy below stays held out
-        whole = drafter.draft_vocab if drafter.draft_vocab is not None else torch.arange(drafter.config.vocab_size)
+        whole = drafter.draft_vocab.cpu() if drafter.draft_vocab is not None else torch.arange(drafter.config.vocab_size)
         drafter.set_draft_vocab(frequent_vocabulary(whole, sequences[len(held_out):], vocab_keep))
     accuracy = evaluate_accuracy(drafter.eval(), held_out, cfg)
     out.mkdir(parents=True, exist_ok=True)
     tok = target.tokenizer
-    drafter.to(torch.bfloat16).save(out, layout, tok.bos_token_id, tok.eos_token_id)
+    drafter.to("cpu", torch.bfloat16).save(out, layout, tok.bos_token_id, tok.eos_token_id)
     state = saved["state"]
     n_seq = len(sequences)
     n_tokens = sum(len(t) for t, _, _ in sequences)

@@ -5,6 +5,10 @@ context features strictly before the anchor; bidirectional attention in the bloc
 block position k = token at anchor + k; cross-entropy weighted by exp(-(k-1)/gamma) -- with `distill` > 0 mixed with the cross-entropy against the target's own
 distribution at that position (teacher.py); the target, its embedding and LM head frozen; AdamW, linear warmup, cosine decay to a tenth of the peak
 learning rate. train/checkpoint.pt is rewritten as it goes, so a run stopped anywhere resumes.
+
+The drafter trains where the target's weights are: on a GPU every sequence's tokens and features
+are moved there once, and the forward and backward passes run under bf16 autocast (`autocast`;
+on this CPU fp32, where bf16 made the backward pass 30x slower).
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ class TrainConfig:
     # (byte-level BPE ids roughly follow merge order, so low ids are the common pieces); None: the
     # whole vocabulary. It makes the head, the costliest part of a training step, ~4x cheaper.
     vocab_floor: int | None = 8192
+    # The dtype the passes autocast to ("bfloat16"), or None: fp32. None picks bf16 on a GPU.
+    autocast: str | None = None
 
 
 def lr_schedule(opt: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
@@ -145,7 +151,7 @@ def block_loss(drafter, tokens, features, anchors, weights, teacher=None, distil
     renormalised over its top-K tokens that the draft vocabulary holds."""
     s = drafter.block_size
     logits = drafter.block_logits(features, tokens, anchors).float()  # [A, S-1, V_d]
-    positions = anchors[:, None] + torch.arange(1, s)  # [A, S-1]
+    positions = anchors[:, None] + torch.arange(1, s, device=anchors.device)  # [A, S-1]
     labels = drafter.draft_ids(tokens[positions])  # [A, S-1]; -100: not in V_d
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
     per_position = ce.view_as(labels)
@@ -160,16 +166,27 @@ def block_loss(drafter, tokens, features, anchors, weights, teacher=None, distil
     return loss, hits
 
 
+def autocast(cfg: TrainConfig, device: torch.device):
+    """The context the drafter's passes run in: bf16 autocast on a GPU (or as cfg.autocast says)."""
+    name = cfg.autocast or ("bfloat16" if device.type == "cuda" else None)
+    if name is None:
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=getattr(torch, name))
+
+
 @torch.no_grad()
 def evaluate_accuracy(drafter, sequences, cfg: TrainConfig, anchors_per_sequence: int = 16) -> list[float]:
-    """Held-out top-1 accuracy per block position (1 ... B-1)."""
+    """Held-out top-1 accuracy per block position (1 ... B-1), where the drafter's weights are."""
+    device = drafter.fc.weight.device
     rng = random.Random(1234)
-    weights = position_weights(cfg.block_size, cfg.gamma)
-    hits, count = torch.zeros(cfg.block_size - 1), 0
+    weights = position_weights(cfg.block_size, cfg.gamma).to(device)
+    hits, count = torch.zeros(cfg.block_size - 1, device=device), 0
     for tokens, features, start in sequences:
         anchors = sample_anchors(len(tokens), start, cfg.block_size, anchors_per_sequence, rng)
         if anchors:
-            _, h = block_loss(drafter, tokens, features.float(), torch.tensor(anchors), weights)
+            with autocast(cfg, device):
+                _, h = block_loss(drafter, tokens.to(device), features.to(device).float(),
+                                  torch.tensor(anchors, device=device), weights)
             hits += h
             count += len(anchors)
     return (hits / max(count, 1)).tolist()
@@ -186,7 +203,8 @@ class TrainState:
 
 def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids, deadline: float | None = None,
                 init_from: Path | None = None) -> TrainState:
-    """Trains until cfg.steps or the wall-clock `deadline` (then checkpoints: run again to go on).
+    """Trains until cfg.steps or the wall-clock `deadline` (then checkpoints: run again to go on),
+    where the target's weights are (module docstring).
 
     A new run starts from the target's last layers, or, with `init_from`, from that saved drafter
     (an earlier sitting's, trained on other data; the machine need not keep that data): its
@@ -201,10 +219,11 @@ def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids
     else:
         teachers = [None] * len(sequences)
     target.model.requires_grad_(False)  # frozen: target, embedding and LM head
+    device = target.model.device
     ckpt_dir = workdir / "train"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     ckpt = ckpt_dir / "checkpoint.pt"
-    saved = torch.load(ckpt, weights_only=False) if ckpt.is_file() else None
+    saved = torch.load(ckpt, weights_only=False, map_location="cpu") if ckpt.is_file() else None
     state = TrainState(**saved["state"]) if saved else TrainState()
     if not state.held_out:
         state.held_out = max(1, int(len(sequences) * cfg.held_out))
@@ -221,6 +240,10 @@ def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids
             if drafter.draft_vocab is not None:  # the head is the target's, frozen: widening it trains nothing away
                 vocab = torch.cat([vocab, drafter.draft_vocab]).unique()
             drafter.set_draft_vocab(vocab)
+    drafter.to(device)
+    if device.type != "cpu":  # once, rather than each step's sequences (~3.5 GB per million tokens)
+        train_set = [(tokens.to(device), features.to(device), start) for tokens, features, start in train_set]
+        train_teachers = [None if t is None else tuple(x.to(device) for x in t) for t in train_teachers]
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     sched = lr_schedule(opt, cfg)
@@ -234,7 +257,7 @@ def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids
                     "state": asdict(state), "config": asdict(cfg)}, tmp)
         tmp.replace(ckpt)
 
-    weights = position_weights(cfg.block_size, cfg.gamma)
+    weights = position_weights(cfg.block_size, cfg.gamma).to(device)
     rng = random.Random(cfg.seed * 7919 + state.step)
     drafter.train()
     started, trained_tokens = time.perf_counter(), 0
@@ -244,19 +267,20 @@ def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids
             if deadline is not None and time.time() > deadline:
                 break
             opt.zero_grad(set_to_none=True)
-            total, hits, anchors_seen = 0.0, torch.zeros(cfg.block_size - 1), 0
+            total, hits, anchors_seen = torch.zeros((), device=device), torch.zeros(cfg.block_size - 1, device=device), 0
             for i in rng.sample(range(len(train_set)), min(cfg.sequences_per_step, len(train_set))):
                 tokens, features, start = train_set[i]
                 anchors = sample_anchors(len(tokens), start, cfg.block_size, cfg.anchors_per_sequence, rng)
                 if not anchors:
                     continue
-                # fp32: on this CPU bf16 autocast made the backward pass 30x slower
-                loss, h = block_loss(drafter, tokens, features.float(), torch.tensor(anchors), weights,
-                                     train_teachers[i], cfg.distill)
+                with autocast(cfg, device):
+                    loss, h = block_loss(drafter, tokens, features.float(), torch.tensor(anchors, device=device),
+                                         weights, train_teachers[i], cfg.distill)
                 (loss / cfg.sequences_per_step).backward()
-                total += float(loss.detach()) / cfg.sequences_per_step
+                total += loss.detach() / cfg.sequences_per_step  # read once a step: a GPU does not wait per sequence
                 hits += h
                 anchors_seen += len(anchors)
+            total, hits = float(total), hits.cpu()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             sched.step()
