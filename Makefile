@@ -16,7 +16,7 @@ TORCH_INDEX_URL ?=
 
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install lock prometheus serve generate test test-fast gpu-check clean
+.PHONY: install lock prometheus serve generate test test-fast gpu-check gpu-train clean
 
 install: $(STAMP)
 
@@ -62,6 +62,12 @@ test-fast: install prometheus
 # curve, SmolLM2 end to end (benchmarks/gpu_check.py says what each part measures).
 gpu-check: install
 	$(BIN)/python benchmarks/gpu_check.py
+
+# A drafter sitting on a GPU: data, training, export and held-out tau against the clock, e.g.
+#   make gpu-train ARGS="--prompts gsm8k-train.jsonl --skip-per-file 4400"
+GPU_TRAIN_OUT ?= runs/gpu-sitting
+gpu-train: install
+	$(BIN)/python benchmarks/gpu_train.py --out $(GPU_TRAIN_OUT) $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

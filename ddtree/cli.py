@@ -265,24 +265,32 @@ def _train_drafter(args: argparse.Namespace) -> int:
 
     import torch
 
-    from .training import TrainConfig, stage_data, stage_export, stage_train
+    from .training import TrainConfig, stage_data, stage_export, stage_features, stage_train
     from .training.data import DEFAULT_HELD_OUT
     from .workers.drafter import default_target_layer_ids
     from .workers.loading import load_target
 
     workdir = Path(args.workdir)
     target = load_target(args.model, torch.float32)
+    target.model.to(args.device)
     layers = tuple(args.target_layers) if args.target_layers else default_target_layer_ids(target.model.config.num_hidden_layers)
     cfg = TrainConfig(block_size=args.block_size, num_layers=args.layers,
                       mask_token_id=args.mask_token_id, steps=args.steps, seed=args.seed,
                       vocab_floor=None if args.vocab_floor < 0 else args.vocab_floor, distill=args.distill,
+                      sequences_per_step=args.sequences_per_step, anchors_per_sequence=args.anchors,
                       **({"lr": args.lr} if args.lr else {}))
     stages = ["data", "train", "export"] if args.stage == "all" else [args.stage]
-    if "data" in stages:
-        stage_data(target, workdir, args.prompts or [], args.limit_per_file, args.self_prompts, layers,
-                   args.max_tokens, args.batch, args.seed, mix=args.mix,
-                   held_out=args.held_out if args.held_out is not None else DEFAULT_HELD_OUT,
-                   skip_per_file=args.skip_per_file)
+    if "data" in stages and args.from_tokens:
+        written = stage_features(target, workdir, Path(args.from_tokens), layers)
+        print(f"data: features recomputed for {written} sequences of {args.from_tokens}")
+    elif "data" in stages:
+        left = stage_data(target, workdir, args.prompts or [], args.limit_per_file, args.self_prompts, layers,
+                          args.max_tokens, args.batch, args.seed, mix=args.mix,
+                          held_out=args.held_out if args.held_out is not None else DEFAULT_HELD_OUT,
+                          skip_per_file=args.skip_per_file,
+                          deadline=time.time() + 60 * args.data_minutes if args.data_minutes else None)
+        if left:
+            print(f"data: {left} shards left (time limit); run the data stage again to make them")
     if "train" in stages:
         deadline = time.time() + 60 * args.minutes if args.minutes else None
         state = stage_train(target, workdir, cfg, layers, deadline,
@@ -309,8 +317,9 @@ def _eval_drafter(args: argparse.Namespace) -> int:
     from .workers.loading import load_target
 
     target = load_target(args.model, torch.float32)
+    target.model.to(args.device)
     directory = Path(args.drafter) if args.drafter else default_drafter_path()
-    drafter = DFlashDrafter.load(directory, target.model)
+    drafter = DFlashDrafter.load(directory, target.model).to(args.device)
     budgets = [parse_budget(b.strip()) for b in args.budgets.split(",")]
     if args.record and len(args.prompts) > 1:
         print("ddtree eval-drafter: --record stores one file's report; give one --prompts", file=sys.stderr)
@@ -475,6 +484,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--vocab-floor", type=int, default=8192,
                        help="the draft vocabulary: tokens in the data + ids below this (-1: the whole vocabulary)")
     train.add_argument("--minutes", type=float, help="stop training after this long (checkpointed; rerun to resume)")
+    train.add_argument("--data-minutes", type=float,
+                       help="stop the data stage after this long (finished shards stay; rerun to make the rest)")
+    train.add_argument("--from-tokens", metavar="FILE",
+                       help="data stage: no decoding; the features of a tokens file's sequences (benchmarks/gpu_train.py "
+                       "writes one), recomputed with one prefill each")
+    train.add_argument("--sequences-per-step", type=int, default=4, help="sequences in a training step's batch")
+    train.add_argument("--anchors", type=int, default=24, help="blocks (anchors) per sequence in a training step")
+    train.add_argument("--device", default="cpu",
+                       help="where the target and the drafter run (data, training, export): cpu, cuda, cuda:1 ...")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--vocab-keep", type=int, metavar="N",
                        help="export: cut the draft vocabulary to the N ids the data's responses use most "
@@ -500,6 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="run every budget through the engine instead of walking the drafts (slow; same tau)")
     ev.add_argument("--lookup", action="store_true",
                     help="also tau at every tree budget with lookup branches in the trees (keys N+lookup)")
+    ev.add_argument("--device", default="cpu", help="where the target and the drafter run: cpu, cuda ...")
     ev.set_defaults(func=_eval_drafter)
 
     pl = sub.add_parser("plan", help="placement for a target on a GPU node: TP x PP, replicas, GPUs, Ray bundles")

@@ -26,7 +26,7 @@ evaluate.py: held-out tau per budget and top-1 accuracy per block position, from
 own greedy continuations and the drafts along them.
 """
 
-from .data import load_sequences, plan_prompts, stage_data
+from .data import load_sequences, plan_prompts, stage_data, stage_features
 from .evaluate import drafts_report, eval_drafter, reference_continuations
 from .export import stage_export
 from .train import TrainConfig, TrainState, block_loss, init_drafter, position_weights, sample_anchors, stage_train
@@ -34,5 +34,5 @@ from .train import TrainConfig, TrainState, block_loss, init_drafter, position_w
 __all__ = [
     "TrainConfig", "TrainState", "block_loss", "drafts_report", "eval_drafter", "init_drafter", "load_sequences",
     "plan_prompts", "position_weights", "reference_continuations", "sample_anchors", "stage_data", "stage_export",
-    "stage_train",
+    "stage_features", "stage_train",
 ]

@@ -87,9 +87,13 @@ def recording_scheduler(target: LoadedTarget, batch: int, positions: int, layer_
                         ) -> Scheduler:
     """The engine's step loop for plain decoding of `batch` sequences at once, each of at most
     `positions` tokens, recording the outputs of `layer_ids` (none: text only); `waiting`
-    requests may queue behind them (default: one more batch)."""
-    limits = BatchLimits(max_num_seqs=batch, max_waiting=batch if waiting is None else waiting, max_prefill_tokens=512,
-                         max_step_tokens=max(1024, batch), kv_cache_tokens=batch * (positions + 16))
+    requests may queue behind them (default: one more batch). The target runs where its weights
+    are (a GPU: prompts are prefilled 4096 tokens a step rather than 512, since a step there
+    costs its launches more than its rows)."""
+    prefill = 512 if target.model.device.type == "cpu" else 4096
+    limits = BatchLimits(max_num_seqs=batch, max_waiting=batch if waiting is None else waiting,
+                         max_prefill_tokens=prefill, max_step_tokens=max(1024, batch, prefill),
+                         kv_cache_tokens=batch * (positions + 16))
     return Scheduler.local(target.model, None, 0, limits, record_features=tuple(layer_ids))
 
 
@@ -138,7 +142,7 @@ def shard_tensors(requests: list[Request], results) -> dict:
         # features exist for every token but the last (no step consumed it)
         assert result.features.shape[0] == len(seq) - 1
         tokens.append(torch.tensor(seq[:-1], dtype=torch.int32))
-        features.append(result.features.to(torch.float16))
+        features.append(result.features.to("cpu", torch.float16))
         starts.append(len(request.prompt))
         offsets.append(offsets[-1] + len(seq) - 1)
     return {
@@ -201,10 +205,13 @@ def plan_prompts(target: LoadedTarget | None, plan: Path, prompt_files: list[str
 
 def stage_data(target: LoadedTarget, workdir: Path, prompt_files: list[str], limit_per_file: int,
                self_prompt_count: int, layer_ids, max_tokens: int, batch: int, seed: int,
-               mix: dict[str, float] | None = None, held_out=DEFAULT_HELD_OUT, skip_per_file: int = 0) -> None:
+               mix: dict[str, float] | None = None, held_out=DEFAULT_HELD_OUT, skip_per_file: int = 0,
+               deadline: float | None = None) -> int:
     """Plans the prompts, then generates every shard not on disk yet through one recording
     scheduler: the next shards' prompts join as places free up, and a shard is written as soon
-    as its last sequence ends (resumable: finished shards stay)."""
+    as its last sequence ends (resumable: finished shards stay). At the wall-clock `deadline`
+    (time.time()) it stops where it is: the shards under way are lost, a rerun makes them.
+    Returns the shards still to make."""
     check_target_layer_ids(layer_ids, target.model.config.num_hidden_layers)
     data = workdir / "data"
     data.mkdir(parents=True, exist_ok=True)
@@ -224,6 +231,8 @@ def stage_data(target: LoadedTarget, workdir: Path, prompt_files: list[str], lim
     done_tokens, started = 0, time.perf_counter()
     with tqdm(total=len(shards), initial=len(shards) - len(todo), desc="data", unit="shard") as bar:
         while queue or where:
+            if deadline is not None and time.time() > deadline:
+                break
             while queue and len(where) < 2 * batch:  # places, and one batch waiting behind them
                 i, j = queue.popleft()
                 where[scheduler.add(requests[i][j])] = (i, j)
@@ -241,6 +250,41 @@ def stage_data(target: LoadedTarget, workdir: Path, prompt_files: list[str], lim
                     tmp.replace(path)
                     bar.update(1)
             bar.set_postfix(tokens=done_tokens, tok_s=f"{done_tokens / (time.perf_counter() - started):.0f}")
+    return len(results)
+
+
+def stage_features(target: LoadedTarget, workdir: Path, tokens_file: Path, layer_ids, per_shard: int = 256) -> int:
+    """The data stage from token ids alone (a tokens file as benchmarks/gpu_train.py writes it:
+    tokens int32, offsets [S+1], response_starts [S]): each sequence's features recomputed with
+    one prefill of the target, into shards of `per_shard` sequences in the data stage's format
+    (resumable: finished shards stay). A prefill's features are the ones decoding recorded, up to
+    fp32 summation order. Returns the sequences written."""
+    check_target_layer_ids(layer_ids, target.model.config.num_hidden_layers)
+    data = workdir / "data"
+    data.mkdir(parents=True, exist_ok=True)
+    source = load_file(str(tokens_file))
+    offsets, starts = source["offsets"].tolist(), source["response_starts"].tolist()
+    model, written = target.model, 0
+    for first in tqdm(range(0, len(starts), per_shard), desc="features", unit="shard"):
+        path = data / f"shard-{first // per_shard:05d}.safetensors"
+        if path.is_file():
+            continue
+        tokens, features = [], []
+        for s in range(first, min(first + per_shard, len(starts))):
+            seq = source["tokens"][offsets[s]:offsets[s + 1]].long()
+            n = len(seq)
+            on = seq.to(model.device)
+            out = model(on[None], torch.arange(n, device=model.device)[None], model.prefill_mask(n),
+                        model.new_cache(1, n), capture_layers=tuple(layer_ids), logits_to_keep=1)
+            tokens.append(seq.to(torch.int32))
+            features.append(out.features[0].to("cpu", torch.float16))
+        lengths = torch.tensor([0] + [len(t) for t in tokens], dtype=torch.int64)
+        tmp = path.with_suffix(".tmp")
+        save_file({"tokens": torch.cat(tokens), "features": torch.cat(features), "offsets": lengths.cumsum(0),
+                   "response_starts": torch.tensor(starts[first:first + len(tokens)], dtype=torch.int64)}, str(tmp))
+        tmp.replace(path)
+        written += len(tokens)
+    return written
 
 
 def load_sequences(workdir: Path) -> list[tuple[torch.Tensor, torch.Tensor, int]]:

@@ -1,0 +1,220 @@
+"""A drafter sitting on a GPU, in one command that fits one device call (issue #18).
+
+On this project's 2-core CPU a sitting makes ~0.75M tokens of data in an hour (plain decoding,
+64 sequences a forward) and trains ~1 step a second of 4 sequences x 24 anchors: data and
+training steps are what limit the drafter. On a GPU both are cheap, and a lent one comes for
+minutes. This runs the whole sitting against a wall clock:
+
+1. data (`--data-minutes`): prompts from `--prompts` files (after `--skip-per-file`, the ones
+   earlier sittings used) and `--self-prompts` the target writes, answered through the engine's
+   own batched plain decoding, `--batch` sequences a forward, features recorded as they go
+   (ddtree.training.data; the judged prompt files are never planned);
+2. training (`--train-minutes`), continuing the shipped drafter (`--init-from`; `--layers` may
+   add layers on top) with bf16 autocast, `--sequences-per-step` x `--anchors` blocks a step;
+   the first PROBE_STEPS steps are timed and the cosine schedule is then as long as the clock
+   allows (a resumed run follows the longer schedule from where it is);
+3. export, then held-out tau at budget 16 and top-1 accuracy on the first `--eval-prompts` of
+   each judged file for the shipped drafter and the new one (the references decoded in one
+   batch on the GPU; `ddtree eval-drafter` on the CPU gives the numbers that are reported);
+4. into `--out`: the new drafter in shards under 16 MiB (a device call brings back files of at
+   most 16 MiB; DFlashDrafter.load reads the sharded layout), the data's tokens (prompt and
+   response ids and domains, no features: a later sitting recomputes them with one prefill per
+   sequence), and report.json.
+
+    python benchmarks/gpu_train.py --out OUT --prompts gsm8k-train.jsonl --skip-per-file 4400 \\
+        [--data-minutes 3] [--train-minutes 3] [--batch 256] [--device cuda]
+
+It runs on a CPU as well (tests/test_gpu_train.py runs it on a tiny model in seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from ddtree.bench import read_prompts
+from ddtree.engine import shipped_drafter
+from ddtree.training import TrainConfig, stage_data, stage_export, stage_train
+from ddtree.cli import parse_mix
+from ddtree.training.data import DEFAULT_HELD_OUT, load_sequences, render_prompt, recording_scheduler
+from ddtree.training.evaluate import drafts_report
+from ddtree.workers.drafter import DFlashDrafter, default_target_layer_ids
+from ddtree.workers.loading import load_target
+from ddtree.workers.requests import Request
+
+SHARD_BYTES = 15 * 2**20  # a device call brings back files of at most 16 MiB
+PROBE_STEPS = 40  # training steps timed before the schedule's length is fixed to fit the clock
+
+
+def save_sharded(drafter_dir: Path, out: Path, max_bytes: int | None = None) -> list[Path]:
+    """The exported drafter (config.json + model.safetensors) as config.json, model-0000i-of-0000n
+    shards of at most `max_bytes` each and model.safetensors.index.json, the layout
+    DFlashDrafter.load reads."""
+    from safetensors.torch import load_file
+
+    max_bytes = max_bytes or SHARD_BYTES
+    state = load_file(str(drafter_dir / "model.safetensors"))
+    groups: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name in sorted(state):
+        tensor = state[name].contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > max_bytes:
+            raise ValueError(f"{name} alone is {nbytes} bytes, over a shard's {max_bytes}")
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = tensor
+        size += nbytes
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text((drafter_dir / "config.json").read_text())
+    weight_map, files = {}, [out / "config.json"]
+    for i, group in enumerate(groups, start=1):
+        name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        save_file(group, str(out / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in group})
+        files.append(out / name)
+    index = out / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
+    return files + [index]
+
+
+def save_tokens(workdir: Path, path: Path) -> dict:
+    """Every data sequence's token ids (int32), offsets, response starts and the domain of its
+    prompt, without the features (~3.5 KB a token): what a later sitting needs to recompute them."""
+    plan = json.loads((workdir / "data" / "prompts.json").read_text())
+    shards = sorted((workdir / "data").glob("shard-*.safetensors"))
+    domains = sorted({e["domain"] for shard in plan["shards"] for e in shard})
+    sequences = load_sequences(workdir)
+    domain_of = [domains.index(e["domain"]) for p in shards for e in plan["shards"][int(p.stem.split("-")[1])]]
+    tokens = torch.cat([t.to(torch.int32) for t, _, _ in sequences]) if sequences else torch.zeros(0, dtype=torch.int32)
+    offsets = torch.tensor([0] + [len(t) for t, _, _ in sequences], dtype=torch.int64).cumsum(0)
+    save_file({"tokens": tokens, "offsets": offsets,
+               "response_starts": torch.tensor([s for _, _, s in sequences], dtype=torch.int64),
+               "domains": torch.tensor(domain_of, dtype=torch.int64)}, str(path),
+              metadata={"domains": json.dumps(domains)})
+    counts = {d: sum(1 for i in domain_of if domains[i] == d) for d in domains}
+    response = {d: sum(len(t) - s for (t, _, s), i in zip(sequences, domain_of) if domains[i] == d) for d in domains}
+    return {"sequences": len(sequences), "tokens": len(tokens), "by_domain": counts, "response_tokens": response}
+
+
+def judged_tau(target, drafters: dict, files, limit: int, max_tokens: int, budget: int = 16) -> dict:
+    """tau at `budget` and top-1 accuracy per file for each drafter: the target's greedy
+    continuations of the first `limit` prompts of each file decoded in one batch, then each
+    drafter's drafts walked along them (ddtree.training.evaluate)."""
+    from ddtree.engine import default_chat_template_kwargs
+
+    tok, chat = target.tokenizer, default_chat_template_kwargs(target.directory)
+    out = {}
+    for path in files:
+        requests = [Request(render_prompt(tok, p, chat), max_tokens, eos_token_ids=(tok.eos_token_id,))
+                    for p in read_prompts(path, limit)]
+        longest = max(len(r.prompt) for r in requests) + max_tokens
+        outputs = [r.tokens for r in recording_scheduler(target, len(requests), longest).generate(requests)]
+        for name, drafter in drafters.items():
+            report = drafts_report(target, drafter, requests, outputs, [budget])
+            out.setdefault(Path(path).stem, {})[name] = {"tau": report["tau"][str(budget)],
+                                                         "accuracy": report["accuracy"][:3]}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="the drafter shards, tokens.safetensors, report.json")
+    parser.add_argument("--workdir", default="/tmp/ddtree-gpu-sitting")
+    parser.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--prompts", action="append", default=[], help="training prompts JSONL (repeatable)")
+    parser.add_argument("--skip-per-file", type=int, default=0)
+    parser.add_argument("--limit-per-file", type=int, default=100_000)
+    parser.add_argument("--self-prompts", type=int, default=6000)
+    parser.add_argument("--mix", type=parse_mix, default={"code": 0.45, "chat": 0.45, "math": 0.1})
+    parser.add_argument("--max-tokens", type=int, default=160)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=32)
+    parser.add_argument("--data-minutes", type=float, default=3.0)
+    parser.add_argument("--train-minutes", type=float, default=3.0)
+    parser.add_argument("--init-from", default=None, help="default: the shipped drafter; 'none': the target's last layers")
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--target-layers", type=int, nargs="+", default=None, help="default: the shipped drafter's")
+    parser.add_argument("--mask-token-id", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20_000,
+                        help="the most steps; the schedule is fitted to --train-minutes from the first steps' pace")
+    parser.add_argument("--lr", type=float, default=4e-4)
+    parser.add_argument("--sequences-per-step", type=int, default=16)
+    parser.add_argument("--anchors", type=int, default=48)
+    parser.add_argument("--vocab-floor", type=int, default=8192)
+    parser.add_argument("--eval-prompts", type=int, default=20, help="first N prompts of each judged file (0: none)")
+    parser.add_argument("--eval-tokens", type=int, default=128)
+    args = parser.parse_args()
+    began = time.time()
+    out, workdir = Path(args.out), Path(args.workdir)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"args": vars(args) | {"mix": args.mix}, "device": args.device}
+    if args.device.startswith("cuda"):
+        report["gpu"] = torch.cuda.get_device_name()
+
+    def stamp(what: str) -> None:
+        report.setdefault("seconds", {})[what] = round(time.time() - began, 1)
+        print(f"[{time.time() - began:7.1f} s] {what}", flush=True)
+        (out / "report.json").write_text(json.dumps(report, indent=1))
+
+    target = load_target(args.model, torch.float32)
+    target.model.to(args.device)
+    init_from = None if args.init_from == "none" else Path(args.init_from) if args.init_from else shipped_drafter()
+    layers = tuple(args.target_layers) if args.target_layers else (
+        DFlashDrafter.load(init_from, target.model).target_layer_ids if init_from
+        else default_target_layer_ids(target.model.config.num_hidden_layers))
+    stamp("target loaded")
+
+    left = stage_data(target, workdir, args.prompts, args.limit_per_file, args.self_prompts, layers, args.max_tokens,
+                      args.batch, args.seed, mix=args.mix, held_out=DEFAULT_HELD_OUT, skip_per_file=args.skip_per_file,
+                      deadline=time.time() + 60 * args.data_minutes)
+    report["data"] = save_tokens(workdir, out / "tokens.safetensors") | {"shards_left": left}
+    stamp(f"data: {report['data']['sequences']} sequences, {report['data']['tokens']} tokens")
+
+    cfg = TrainConfig(block_size=args.block_size, num_layers=args.layers, mask_token_id=args.mask_token_id,
+                      steps=min(args.steps, PROBE_STEPS), lr=args.lr, seed=args.seed,
+                      sequences_per_step=args.sequences_per_step, anchors_per_sequence=args.anchors,
+                      vocab_floor=None if args.vocab_floor < 0 else args.vocab_floor,
+                      checkpoint_every=250, snapshot_every=0)
+    deadline = time.time() + 60 * args.train_minutes
+    started = time.time()
+    state = stage_train(target, workdir, cfg, layers, deadline=deadline, init_from=init_from)
+    if state.step < args.steps and time.time() < deadline:
+        # the schedule's length from the probe's pace: its cosine ends as the clock does
+        per_step = (time.time() - started) / max(state.step, 1)
+        cfg.steps = max(state.step, min(args.steps, state.step + int(0.95 * (deadline - time.time()) / per_step)))
+        print(f"{per_step * 1000:.0f} ms a step: a schedule of {cfg.steps} steps", flush=True)
+        state = stage_train(target, workdir, cfg, layers, deadline=deadline)
+    report["train"] = {"steps": state.step, "of": cfg.steps, "loss_ema": state.loss_ema,
+                       "history": state.history[-8:], "held_out_sequences": state.held_out}
+    stamp(f"trained {state.step} steps, loss {state.loss_ema:.3f}")
+
+    exported = stage_export(target, workdir, cfg, layers, workdir / "export",
+                            data_note=f"a GPU sitting: {report['data']['tokens']} tokens")
+    report["model_card"] = (exported / "README.md").read_text()
+    save_sharded(exported, out / "drafter")
+    stamp("exported")
+
+    if args.eval_prompts:
+        drafters = {"new": DFlashDrafter.load(exported, target.model).to(args.device)}
+        if init_from:
+            drafters["before"] = DFlashDrafter.load(init_from, target.model).to(args.device)
+        report["tau16"] = judged_tau(target, drafters, DEFAULT_HELD_OUT, args.eval_prompts, args.eval_tokens)
+        for name, row in report["tau16"].items():
+            print(f"{name}: " + ", ".join(f"{k} tau {v['tau']:.2f}" for k, v in row.items()), flush=True)
+        stamp("evaluated")
+    if not all(math.isfinite(x) for x in [state.loss_ema or 0.0]):
+        raise SystemExit("training diverged (loss not finite)")
+
+
+if __name__ == "__main__":
+    main()
