@@ -21,6 +21,10 @@ minutes. This runs the whole sitting against a wall clock:
    response ids and domains, no features: a later sitting recomputes them with one prefill per
    sequence), and report.json.
 
+`--tokens FILE` (repeatable) adds earlier sittings' data, kept as token ids (export_tokens): their
+features are made again on the GPU and training draws from them and this sitting's data alike
+(the held-out sequences stay this sitting's first ones).
+
     python benchmarks/gpu_train.py --out OUT --prompts gsm8k-train.jsonl --skip-per-file 4400 \\
         [--data-minutes 3] [--train-minutes 3] [--batch 256] [--device cuda]
 
@@ -42,7 +46,7 @@ from ddtree.bench import read_prompts
 from ddtree.engine import shipped_drafter
 from ddtree.training import TrainConfig, stage_data, stage_export, stage_train
 from ddtree.cli import parse_mix
-from ddtree.training.data import DEFAULT_HELD_OUT, load_sequences, render_prompt, recording_scheduler
+from ddtree.training.data import DEFAULT_HELD_OUT, export_tokens, render_prompt, recording_scheduler, stage_features
 from ddtree.training.evaluate import drafts_report
 from ddtree.workers.drafter import DFlashDrafter, default_target_layer_ids
 from ddtree.workers.loading import load_target
@@ -85,25 +89,6 @@ def save_sharded(drafter_dir: Path, out: Path, max_bytes: int | None = None) -> 
     return files + [index]
 
 
-def save_tokens(workdir: Path, path: Path) -> dict:
-    """Every data sequence's token ids (int32), offsets, response starts and the domain of its
-    prompt, without the features (~3.5 KB a token): what a later sitting needs to recompute them."""
-    plan = json.loads((workdir / "data" / "prompts.json").read_text())
-    shards = sorted((workdir / "data").glob("shard-*.safetensors"))
-    domains = sorted({e["domain"] for shard in plan["shards"] for e in shard})
-    sequences = load_sequences(workdir)
-    domain_of = [domains.index(e["domain"]) for p in shards for e in plan["shards"][int(p.stem.split("-")[1])]]
-    tokens = torch.cat([t.to(torch.int32) for t, _, _ in sequences]) if sequences else torch.zeros(0, dtype=torch.int32)
-    offsets = torch.tensor([0] + [len(t) for t, _, _ in sequences], dtype=torch.int64).cumsum(0)
-    save_file({"tokens": tokens, "offsets": offsets,
-               "response_starts": torch.tensor([s for _, _, s in sequences], dtype=torch.int64),
-               "domains": torch.tensor(domain_of, dtype=torch.int64)}, str(path),
-              metadata={"domains": json.dumps(domains)})
-    counts = {d: sum(1 for i in domain_of if domains[i] == d) for d in domains}
-    response = {d: sum(len(t) - s for (t, _, s), i in zip(sequences, domain_of) if domains[i] == d) for d in domains}
-    return {"sequences": len(sequences), "tokens": len(tokens), "by_domain": counts, "response_tokens": response}
-
-
 def judged_tau(target, drafters: dict, files, limit: int, max_tokens: int, budget: int = 16) -> dict:
     """tau at `budget` and top-1 accuracy per file for each drafter: the target's greedy
     continuations of the first `limit` prompts of each file decoded in one batch, then each
@@ -131,9 +116,13 @@ def main() -> None:
     parser.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--prompts", action="append", default=[], help="training prompts JSONL (repeatable)")
+    parser.add_argument("--tokens", action="append", default=[],
+                        help="an earlier sitting's tokens file (repeatable): its features are made again here and "
+                        "it is trained on with this sitting's data")
     parser.add_argument("--skip-per-file", type=int, default=0)
     parser.add_argument("--limit-per-file", type=int, default=100_000)
-    parser.add_argument("--self-prompts", type=int, default=6000)
+    parser.add_argument("--self-prompts", type=int, default=3000,
+                        help="prompts the target writes; written before any answer, outside --data-minutes")
     parser.add_argument("--mix", type=parse_mix, default={"code": 0.45, "chat": 0.45, "math": 0.1})
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--batch", type=int, default=256)
@@ -177,8 +166,18 @@ def main() -> None:
     left = stage_data(target, workdir, args.prompts, args.limit_per_file, args.self_prompts, layers, args.max_tokens,
                       args.batch, args.seed, mix=args.mix, held_out=DEFAULT_HELD_OUT, skip_per_file=args.skip_per_file,
                       deadline=time.time() + 60 * args.data_minutes)
-    report["data"] = save_tokens(workdir, out / "tokens.safetensors") | {"shards_left": left}
+    report["data"] = export_tokens(workdir, out / "tokens.safetensors") | {"shards_left": left}
     stamp(f"data: {report['data']['sequences']} sequences, {report['data']['tokens']} tokens")
+    carried = 0
+    for k, tokens_file in enumerate(args.tokens):  # earlier sittings' data, trained on beside this one's
+        carried += stage_features(target, workdir / f"carried-{k}", Path(tokens_file), layers)
+        for shard in sorted((workdir / f"carried-{k}" / "data").glob("shard-*.safetensors")):
+            link = workdir / "data" / f"shard-c{k}-{shard.name.split('-', 1)[1]}"
+            if not link.exists():
+                link.symlink_to(shard.resolve())
+    if args.tokens:
+        report["carried_sequences"] = carried
+        stamp(f"features of {carried} carried sequences")
 
     cfg = TrainConfig(block_size=args.block_size, num_layers=args.layers, mask_token_id=args.mask_token_id,
                       steps=min(args.steps, PROBE_STEPS), lr=args.lr, seed=args.seed,

@@ -266,11 +266,16 @@ def _train_drafter(args: argparse.Namespace) -> int:
     import torch
 
     from .training import TrainConfig, stage_data, stage_export, stage_features, stage_train
-    from .training.data import DEFAULT_HELD_OUT
+    from .training.data import DEFAULT_HELD_OUT, export_tokens
     from .workers.drafter import default_target_layer_ids
     from .workers.loading import load_target
 
     workdir = Path(args.workdir)
+    if args.stage == "tokens":
+        path = Path(args.out or workdir / "tokens.safetensors")
+        counts = export_tokens(workdir, path)
+        print(f"{counts['sequences']} sequences, {counts['tokens']} tokens written to {path}")
+        return 0
     target = load_target(args.model, torch.float32)
     target.model.to(args.device)
     layers = tuple(args.target_layers) if args.target_layers else default_target_layer_ids(target.model.config.num_hidden_layers)
@@ -456,7 +461,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train-drafter", help="self-distil a DFlash drafter (resumable stages)")
     train.add_argument("--workdir", required=True, help="data, checkpoints and export live here")
-    train.add_argument("--stage", default="all", choices=["data", "train", "export", "all"])
+    train.add_argument("--stage", default="all", choices=["data", "train", "export", "all", "tokens"],
+                       help="tokens: the data's token ids alone into --out (default WORKDIR/tokens.safetensors), a few "
+                       "bytes a token: what --from-tokens makes the data of again, anywhere")
     train.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
     train.add_argument("--prompts", action="append", help="training prompts JSONL (repeatable; never evaluation files)")
     train.add_argument("--limit-per-file", type=int, default=400)
@@ -497,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--vocab-keep", type=int, metavar="N",
                        help="export: cut the draft vocabulary to the N ids the data's responses use most "
                        "(a cheaper head; default: keep the one it was trained with)")
-    train.add_argument("--out", help="export directory (default: WORKDIR/export)")
+    train.add_argument("--out", help="export directory (default: WORKDIR/export); with --stage tokens, the file")
     train.add_argument("--export-layout", default="ddtree", choices=["ddtree", "published"],
                        help="ddtree's layout (keeps a draft vocabulary), or exactly z-lab's published one "
                        "(auto_map, no extra tensors; needs --vocab-floor -1)")

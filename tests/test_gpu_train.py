@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from ddtree.training.data import load_sequences, stage_data, stage_features
 from ddtree.training.train import TrainConfig, init_drafter, stage_train
@@ -34,6 +34,7 @@ def test_a_whole_sitting_runs_without_ray_and_brings_back_small_shards_that_load
     (tmp_path / "site" / "sitecustomize.py").write_text(BLOCKER)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"question": f"What is {i} times {i + 2}?"}) for i in range(5)))
+    earlier, earlier_tokens = random_tokens_file(tmp_path / "earlier.safetensors")
     out = tmp_path / "out"
     code = ("import sys, runpy; sys.argv = sys.argv[1:]; import gpu_train; gpu_train.SHARD_BYTES = 8 * 1024; gpu_train.PROBE_STEPS = 4; "
             "gpu_train.main()")
@@ -41,7 +42,7 @@ def test_a_whole_sitting_runs_without_ray_and_brings_back_small_shards_that_load
             "--device", "cpu", "--prompts", str(prompts), "--self-prompts", "2", "--max-tokens", "16", "--batch", "4",
             "--init-from", "none", "--layers", "1", "--target-layers", *map(str, LAYERS), "--block-size", "4",
             "--steps", "12", "--sequences-per-step", "2", "--anchors", "4", "--vocab-floor", "256",
-            "--eval-prompts", "2", "--eval-tokens", "8"]
+            "--eval-prompts", "2", "--eval-tokens", "8", "--tokens", str(earlier)]
     env = {"PYTHONPATH": f"{tmp_path / 'site'}:{ROOT / 'benchmarks'}", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -56,7 +57,10 @@ def test_a_whole_sitting_runs_without_ray_and_brings_back_small_shards_that_load
     drafter = DFlashDrafter.load(out / "drafter", target.model)
     assert drafter.config.num_hidden_layers == 1 and drafter.draft_vocab is not None
     tokens = load_file(str(out / "tokens.safetensors"))
-    sequences = load_sequences(tmp_path / "work")
+    trained_on = load_sequences(tmp_path / "work")
+    sequences, carried = trained_on[:7], trained_on[7:]  # this sitting's shards sort before the carried ones
+    assert report["carried_sequences"] == 3 and [t.tolist() for t, _, _ in carried] == earlier_tokens
+    assert tokens["tokens"].dtype == torch.uint16  # SmolLM2's ids fit: 2 bytes a token
     assert tokens["offsets"][-1] == len(tokens["tokens"]) == sum(len(t) for t, _, _ in sequences)
     assert tokens["response_starts"].tolist() == [s for _, _, s in sequences]
     assert len(tokens["domains"]) == 7 and report["data"]["by_domain"] == {"prompts": 5, "code": 1, "chat": 1}
@@ -67,6 +71,17 @@ def test_a_whole_sitting_runs_without_ray_and_brings_back_small_shards_that_load
     for (t1, f1, s1), (t2, f2, s2) in zip(sequences, load_sequences(again), strict=True):
         assert torch.equal(t1, t2) and s1 == s2
         torch.testing.assert_close(f2.float(), f1.float(), rtol=2e-2, atol=2e-2)
+
+
+def random_tokens_file(path: Path) -> tuple[Path, list[list[int]]]:
+    """A tokens file of three random sequences (response starts 5, 4, 6), as export_tokens writes one."""
+    rng = torch.Generator().manual_seed(3)
+    lengths, starts = [12, 9, 15], [5, 4, 6]
+    tokens = torch.randint(100, 5000, (sum(lengths),), generator=rng).to(torch.uint16)
+    offsets = torch.tensor([0] + lengths).cumsum(0)
+    save_file({"tokens": tokens, "offsets": offsets, "response_starts": torch.tensor(starts),
+               "domains": torch.zeros(3, dtype=torch.int64)}, str(path), metadata={"domains": '["earlier"]'})
+    return path, [tokens[a:b].tolist() for a, b in zip(offsets, offsets[1:])]
 
 
 def test_the_data_stage_stops_at_its_deadline_and_a_rerun_makes_the_rest(tiny_chat_model, tmp_path):
@@ -105,23 +120,22 @@ def test_training_under_bf16_autocast_learns(tiny_chat_model, tmp_path):
 def test_the_cli_makes_a_sittings_data_from_a_tokens_file_and_stops_data_at_its_clock(tiny_chat_model, tmp_path,
                                                                                        capsys):
     """`train-drafter --stage data --from-tokens FILE` (a GPU sitting's tokens, trained on
-    anywhere) writes shards whose sequences are the file's; `--data-minutes` reaches the data
-    stage (a clock already run out: nothing made, and it says what is left)."""
-    from safetensors.torch import save_file
-
+    anywhere) writes shards whose sequences are the file's, and `--stage tokens` turns them back
+    into the same file; `--data-minutes` reaches the data stage (a clock already run out:
+    nothing made, and it says what is left)."""
     from ddtree.cli import main
 
-    rng = torch.Generator().manual_seed(3)
-    lengths, starts = [12, 9, 15], [5, 4, 6]
-    tokens = torch.randint(100, 5000, (sum(lengths),), generator=rng, dtype=torch.int32)
-    offsets = torch.tensor([0] + lengths).cumsum(0)
-    save_file({"tokens": tokens, "offsets": offsets, "response_starts": torch.tensor(starts)}, str(tmp_path / "t.st"))
+    path, expected = random_tokens_file(tmp_path / "t.st")
     common = ["train-drafter", "--stage", "data", "--model", str(tiny_chat_model), "--target-layers", "0",
               "--device", "cpu"]
-    assert main([*common, "--workdir", str(tmp_path / "a"), "--from-tokens", str(tmp_path / "t.st")]) == 0
+    assert main([*common, "--workdir", str(tmp_path / "a"), "--from-tokens", str(path)]) == 0
     got = load_sequences(tmp_path / "a")
-    assert [t.tolist() for t, _, _ in got] == [tokens[a:b].tolist() for a, b in zip(offsets, offsets[1:])]
-    assert [s for _, _, s in got] == starts and all(f.shape == (len(t), 32) for t, f, _ in got)
+    assert [t.tolist() for t, _, _ in got] == expected
+    assert [s for _, _, s in got] == [5, 4, 6] and all(f.shape == (len(t), 32) for t, f, _ in got)
+    assert main(["train-drafter", "--stage", "tokens", "--workdir", str(tmp_path / "a"), "--model",
+                 str(tiny_chat_model), "--out", str(tmp_path / "back.st")]) == 0  # and back to token ids
+    back, source = load_file(str(tmp_path / "back.st")), load_file(str(path))
+    assert all(torch.equal(back[k], source[k]) for k in ("tokens", "offsets", "response_starts"))
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"question": "Why?"}) + "\n")
     assert main([*common, "--workdir", str(tmp_path / "b"), "--prompts", str(prompts), "--self-prompts", "0",

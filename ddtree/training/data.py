@@ -253,9 +253,48 @@ def stage_data(target: LoadedTarget, workdir: Path, prompt_files: list[str], lim
     return len(results)
 
 
+def plan_shards(workdir: Path) -> list[Path]:
+    """The data stage's own shards (shard-00000 ...: a plan's), not those linked in from elsewhere."""
+    return sorted(p for p in (workdir / "data").glob("shard-*.safetensors") if p.stem.split("-", 1)[1].isdigit())
+
+
+def export_tokens(workdir: Path, path: Path) -> dict:
+    """The data stage's sequences as token ids alone -- tokens (uint16 where every id fits, else
+    int32), offsets [S+1], response_starts [S], domains [S] (indices into the `domains` metadata,
+    from data/prompts.json; "unknown" for data made from a tokens file) -- a few bytes a token where
+    the features are ~3.4 KB: what a later sitting anywhere needs to make them again
+    (`stage_features`). Returns counts for a report."""
+    plans = workdir / "data" / "prompts.json"
+    plan = json.loads(plans.read_text()) if plans.is_file() else None
+    names = sorted({e["domain"] for shard in plan["shards"] for e in shard}) if plan else ["unknown"]
+    tokens, offsets, starts, domains = [], [0], [], []
+    for path_ in plan_shards(workdir):
+        shard = load_file(str(path_))
+        offs = shard["offsets"].tolist()
+        tokens.append(shard["tokens"])
+        for a, b in zip(offs, offs[1:]):
+            offsets.append(offsets[-1] + b - a)
+        starts += shard["response_starts"].tolist()
+        if plan:
+            domains += [names.index(e["domain"]) for e in plan["shards"][int(path_.stem.split("-")[1])]]
+        else:
+            domains += [0] * (len(offs) - 1)
+    ids = torch.cat(tokens) if tokens else torch.zeros(0, dtype=torch.int32)
+    small = len(ids) == 0 or int(ids.max()) < 2**16
+    save_file({"tokens": ids.to(torch.uint16 if small else torch.int32),
+               "offsets": torch.tensor(offsets, dtype=torch.int64),
+               "response_starts": torch.tensor(starts, dtype=torch.int64),
+               "domains": torch.tensor(domains, dtype=torch.int64)}, str(path), metadata={"domains": json.dumps(names)})
+    lengths = [b - a for a, b in zip(offsets, offsets[1:])]
+    return {"sequences": len(starts), "tokens": len(ids),
+            "by_domain": {d: domains.count(i) for i, d in enumerate(names)},
+            "response_tokens": {d: sum(n - s for n, s, k in zip(lengths, starts, domains) if k == i)
+                                for i, d in enumerate(names)}}
+
+
 def stage_features(target: LoadedTarget, workdir: Path, tokens_file: Path, layer_ids, per_shard: int = 256) -> int:
-    """The data stage from token ids alone (a tokens file as benchmarks/gpu_train.py writes it:
-    tokens int32, offsets [S+1], response_starts [S]): each sequence's features recomputed with
+    """The data stage from token ids alone (a tokens file as `export_tokens` writes it: tokens,
+    offsets [S+1], response_starts [S]): each sequence's features recomputed with
     one prefill of the target, into shards of `per_shard` sequences in the data stage's format
     (resumable: finished shards stay). A prefill's features are the ones decoding recorded, up to
     fp32 summation order. Returns the sequences written."""
@@ -271,7 +310,7 @@ def stage_features(target: LoadedTarget, workdir: Path, tokens_file: Path, layer
             continue
         tokens, features = [], []
         for s in range(first, min(first + per_shard, len(starts))):
-            seq = source["tokens"][offsets[s]:offsets[s + 1]].long()
+            seq = source["tokens"][offsets[s]:offsets[s + 1]].to(torch.int64)
             n = len(seq)
             on = seq.to(model.device)
             out = model(on[None], torch.arange(n, device=model.device)[None], model.prefill_mask(n),
