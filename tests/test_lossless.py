@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ddtree.workers.requests import Request
+from ddtree.workers.requests import Request, check_stop
 from ddtree.workers.solo import SoloLoop
 from ddtree.workers.drafter import DFlashDrafter
 
@@ -100,6 +100,26 @@ def test_stops_at_eos_and_stop_strings(cases):
     assert result.finish_reason == "stop"
     assert result.text == full[: full.index(stop)]
     assert decode(result.tokens).startswith(result.text + stop) and len(result.tokens) <= 7
+
+
+def test_the_text_is_decoded_each_step_only_for_stop_strings():
+    """Every step decoded every sequence's whole output for its text, which only the result
+    reads: ~2 ms of a 64-stream step. Without stop strings the text now comes once, at the end,
+    and is the same."""
+    calls = []
+
+    def decode(ids):
+        calls.append(len(ids))
+        return " ".join(map(str, ids))
+
+    out = [5, 6, 7]
+    assert check_stop(Request([1], 10, eos_token_ids=(9,)), out, decode) == (None, None) and calls == []
+    out += [8, 9, 4]
+    assert check_stop(Request([1], 10, eos_token_ids=(9,)), out, decode) == ("stop", "5 6 7 8 9")
+    assert out == [5, 6, 7, 8, 9] and calls == [5]
+    assert check_stop(Request([1], 4), [5, 6, 7, 8, 1], decode) == ("length", "5 6 7 8")
+    calls.clear()
+    assert check_stop(Request([1], 10, stop=("8",)), [5, 6, 7], decode) == (None, "5 6 7") and calls == [3]
 
 
 def test_rejects_bad_requests(cases):

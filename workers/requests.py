@@ -127,7 +127,10 @@ def check_request(request: Request) -> None:
 
 def check_stop(request: Request, out: list[int], decode: Callable[[list[int]], str] | None) -> tuple[str | None, str | None]:
     """Cuts `out` (in place) at the first EOS, stop string or max_tokens; returns
-    (finish_reason or None, the decoded text cut before a stop string, or None without `decode`)."""
+    (finish_reason or None, the decoded text cut before a stop string, or None without `decode`).
+    Without stop strings the text is decoded only once the request ends (None before): only the
+    result reads it, and decoding a whole output every step cost each sequence ~30-50 us a step
+    (at 64 streams ~2 ms of a ~150 ms step)."""
     finish_reason, text = None, None
     eos = set(request.eos_token_ids)
     for i, token in enumerate(out[: request.max_tokens]):
@@ -138,7 +141,7 @@ def check_stop(request: Request, out: list[int], decode: Callable[[list[int]], s
     if finish_reason is None and len(out) >= request.max_tokens:
         del out[request.max_tokens :]
         finish_reason = "length"
-    if decode is None:
+    if decode is None or (finish_reason is None and not request.stop):
         return finish_reason, text
     text = decode(out)
     hits = [(text.find(s), s) for s in request.stop if s and s in text]
