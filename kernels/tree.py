@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import torch
 
 
+_ROOT_PARTS = (torch.tensor([-1]), torch.tensor([0]), torch.tensor([0.0], dtype=torch.float64))  # parents, depths, scores
+
+
 @dataclass(frozen=True)
 class Tree:
     tokens: torch.Tensor  # [N] int64; tokens[0] is the root (bonus) token
@@ -44,8 +47,9 @@ class Tree:
 
     @classmethod
     def root_only(cls, root_token: int) -> "Tree":
-        one = torch.tensor
-        return cls(one([root_token]), one([-1]), one([0]), one([0.0], dtype=torch.float64))
+        """The tree of a plain step: its root alone (made for every plain row of every step, so
+        the parts all roots share are made once; no tree's tensors are written in place)."""
+        return cls(torch.tensor([root_token]), *_ROOT_PARTS)
 
     def prefix(self, budget: int) -> "Tree":
         """The first `budget` non-root nodes. Of a best-first tree this is exactly the tree a

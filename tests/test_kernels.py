@@ -118,6 +118,38 @@ def test_tree_attention_on_a_cache_layer_view():
     torch.testing.assert_close(got.cpu(), want, atol=2e-5, rtol=2e-5)
 
 
+def test_the_references_give_a_batch_of_mostly_plain_rows_each_trees_own_metadata_and_walk():
+    """The CPU references set every row up as a root alone and build only the trees with nodes
+    (a busy batch is mostly plain rows: the loop over all of them cost ~5 ms a 64-stream step).
+    Each row is what its tree alone gives: depths and positions, the mask from its ancestors
+    (padding rows seeing themselves), the walk along the target's choices."""
+    from ddtree.kernels.tree import ancestor_mask, walk_tree
+
+    trees = [random_tree(n, 50, seed=40 + i) for i, n in enumerate([1, 1, 9, 1, 1, 1, 5, 1, 17, 1])]
+    q_len = 17
+    batch = TreeBatch.of(trees, q_len)
+    start = torch.arange(len(trees)) * 7 + 3
+    meta = batched.tree_metadata_ref(batch, start)
+    g = torch.Generator().manual_seed(1)
+    choices = torch.randint(50, (len(trees), q_len), generator=g)
+    for row, tree in enumerate(trees):  # follow each tree one level deeper for every other row
+        kids = (tree.parents == 0).nonzero().flatten()
+        if len(kids) and row % 2 == 0:
+            choices[row, 0] = tree.tokens[kids[0]]
+    walk = batched.walk_batch_ref(batch, choices)
+    for row, tree in enumerate(trees):
+        n = tree.size
+        dense = torch.eye(q_len, dtype=torch.bool)
+        dense[:n, :n] = ancestor_mask(tree.parents)
+        assert torch.equal(meta.depths[row, :n], tree.depths) and not meta.depths[row, n:].any()
+        assert torch.equal(meta.positions[row], start[row] + meta.depths[row])
+        assert torch.equal(meta.bits[row], pack_bits(dense))
+        alone = walk_tree(tree, choices[row, :n])
+        assert walk.path[row, : len(alone.path)].tolist() == list(alone.path) and (walk.path[row, len(alone.path):] == -1).all()
+        assert int(walk.length[row]) == len(alone.path) and int(walk.bonus[row]) == alone.bonus
+    assert int(walk.length.max()) > 1
+
+
 def test_greedy_walk_kernel_equals_reference(mixed_batch):
     """Choices that follow each tree for a few levels, then leave it: every walk length occurs."""
     trees, batch = mixed_batch

@@ -444,14 +444,15 @@ class Scheduler:
         paths, lengths, bonus = walk.path.cpu(), walk.length.tolist(), walk.bonus.tolist()
         # every accepted path's KV rows to the positions after its committed prefix, in one
         # lookup: [B, longest path], the tail past each row's path masked out
-        starts = torch.tensor([s.length for s in rows])[:, None]
         width = max(lengths)
         kept = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
-        tables = [s.pages for s in rows]
-        src_slots = self.pool.slots(tables, starts + torch.where(kept, paths[:, :width], 0))[kept]
-        dst_slots = self.pool.slots(tables, starts + torch.arange(width)[None, :].where(kept, 0))[kept]
-        moved = src_slots != dst_slots
-        self.target.move(src_slots[moved], dst_slots[moved])
+        if width > 1:  # where every path is its root alone (a plain step) no KV row moves
+            starts = torch.tensor([s.length for s in rows])[:, None]
+            tables = [s.pages for s in rows]
+            src_slots = self.pool.slots(tables, starts + torch.where(kept, paths[:, :width], 0))[kept]
+            dst_slots = self.pool.slots(tables, starts + torch.arange(width)[None, :].where(kept, 0))[kept]
+            moved = src_slots != dst_slots
+            self.target.move(src_slots[moved], dst_slots[moved])
         # the accepted paths' target features in one gather, each row's a view of it (a gather
         # per row was 64 small copies a step at 64 streams)
         kept_features = None if out.features is None else out.features[
@@ -468,11 +469,13 @@ class Scheduler:
                 if len(seq.features) >= FEATURE_CHUNKS:  # an idle auto sequence's: counted every step
                     seq.features = [torch.cat(seq.features, dim=1)]
             before = len(seq.output)
-            seq.output.extend(tree.tokens[path[1:]].tolist() + [bonus[b]])
+            if n > 1:
+                seq.output.extend(tree.tokens[path[1:]].tolist())
+            seq.output.append(bonus[b])
             seq.finish_reason, seq.text = check_stop(seq.request, seq.output, self.decode)
             if seq.lookup is not None:  # what the request emitted: the path past a stop is not
                 seq.lookup.observe(tree, path[: 1 + min(n - 1, len(seq.output) - before)].tolist())
-            per_depth = tuple(torch.bincount(tree.depths)[1:].tolist())
+            per_depth = tuple(torch.bincount(tree.depths)[1:].tolist()) if tree.size > 1 else ()
             predicted = None
             if seq.budget == "auto" and seq.estimate is not None:
                 predicted = self.policy.observe_round(seq.estimate, tree, gains.get(b), path.tolist())
