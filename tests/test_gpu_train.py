@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -142,3 +143,30 @@ def test_the_cli_makes_a_sittings_data_from_a_tokens_file_and_stops_data_at_its_
                  "--max-tokens", "4", "--data-minutes", "-1"]) == 0
     assert "data: 1 shards left (time limit)" in capsys.readouterr().out
     assert not list((tmp_path / "b" / "data").glob("shard-*"))
+
+
+@pytest.mark.smollm2
+def test_the_kept_training_tokens_hold_no_judged_prompt(smollm2):
+    """Drafter data kept in the repository (benchmarks/data/drafter-tokens) is trained on by
+    later sittings anywhere: none of its prompts may be one of the judged sets' (whitespace
+    aside). Every sequence's prompt part is decoded and searched for every judged prompt."""
+    from safetensors import safe_open
+
+    from ddtree.training.data import DEFAULT_HELD_OUT, _normal, held_out_texts
+
+    files = sorted((ROOT / "benchmarks" / "data" / "drafter-tokens").glob("*.safetensors"))
+    assert files, "no kept training tokens"
+    judged = held_out_texts(DEFAULT_HELD_OUT)
+    assert len(judged) > 1000
+    for path in files:
+        data = load_file(str(path))
+        with safe_open(str(path), "pt") as f:
+            domains = json.loads(f.metadata()["domains"])
+        offsets, starts = data["offsets"].tolist(), data["response_starts"].tolist()
+        assert len(offsets) == len(starts) + 1 == len(data["domains"]) + 1 and offsets[-1] == len(data["tokens"])
+        assert all(0 < s < b - a for s, a, b in zip(starts, offsets, offsets[1:]))
+        assert set(domains) <= {"gsm8k-train", "code", "chat", "math"}
+        prompts = smollm2.tokenizer.batch_decode([data["tokens"][a:a + s].tolist() for a, s in zip(offsets, starts)])
+        for prompt in prompts:
+            text = _normal(prompt)
+            assert not any(q in text for q in judged), f"{path.name}: a judged prompt in {prompt[:200]!r}"
