@@ -12,7 +12,7 @@ minutes. This runs the whole sitting against a wall clock:
 2. training (`--train-minutes`), continuing the shipped drafter (`--init-from`; `--layers` may
    add layers on top) with bf16 autocast, `--sequences-per-step` x `--anchors` blocks a step;
    the first PROBE_STEPS steps are timed and the cosine schedule is then as long as the clock
-   allows (a resumed run follows the longer schedule from where it is);
+   allows (stage_train's `fit_after`; one run, so the features are loaded once);
 3. export, then held-out tau at budget 16 and top-1 accuracy on the first `--eval-prompts` of
    each judged file for the shipped drafter and the new one (the references decoded in one
    batch on the GPU; `ddtree eval-drafter` on the CPU gives the numbers that are reported);
@@ -181,19 +181,13 @@ def main() -> None:
         stamp(f"features of {carried} carried sequences")
 
     cfg = TrainConfig(block_size=args.block_size, num_layers=args.layers, mask_token_id=args.mask_token_id,
-                      steps=min(args.steps, PROBE_STEPS), lr=args.lr, seed=args.seed,
+                      steps=args.steps, lr=args.lr, seed=args.seed,
                       sequences_per_step=args.sequences_per_step, anchors_per_sequence=args.anchors,
                       vocab_floor=None if args.vocab_floor < 0 else args.vocab_floor,
                       checkpoint_every=250, snapshot_every=0)
-    deadline = time.time() + 60 * args.train_minutes
-    started = time.time()
-    state = stage_train(target, workdir, cfg, layers, deadline=deadline, init_from=init_from)
-    if state.step < args.steps and time.time() < deadline:
-        # the schedule's length from the probe's pace: its cosine ends as the clock does
-        per_step = (time.time() - started) / max(state.step, 1)
-        cfg.steps = max(state.step, min(args.steps, state.step + int(0.95 * (deadline - time.time()) / per_step)))
-        print(f"{per_step * 1000:.0f} ms a step: a schedule of {cfg.steps} steps", flush=True)
-        state = stage_train(target, workdir, cfg, layers, deadline=deadline)
+    # the schedule's length from the first steps' pace: its cosine ends as the clock does
+    state = stage_train(target, workdir, cfg, layers, deadline=time.time() + 60 * args.train_minutes,
+                        init_from=init_from, fit_after=PROBE_STEPS)
     report["train"] = {"steps": state.step, "of": cfg.steps, "loss_ema": state.loss_ema,
                        "history": state.history[-8:], "held_out_sequences": state.held_out}
     stamp(f"trained {state.step} steps, loss {state.loss_ema:.3f}")

@@ -170,3 +170,19 @@ def test_the_kept_training_tokens_hold_no_judged_prompt(smollm2):
         for prompt in prompts:
             text = _normal(prompt)
             assert not any(q in text for q in judged), f"{path.name}: a judged prompt in {prompt[:200]!r}"
+
+
+def test_a_clocked_run_fits_its_schedule_to_the_clock_from_its_first_steps(tiny_chat_model, tmp_path):
+    """`fit_after`: a run of 10,000 steps given a 3-second clock times its first 2 steps and
+    shortens its cosine to what the clock leaves room for (a GPU sitting's training ends with its
+    learning rate decayed, not cut off at the peak); the checkpoint keeps the fitted length."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question": f"Count to {i}."}) for i in range(4)))
+    target = load_target(tiny_chat_model, torch.float32)
+    stage_data(target, tmp_path, [str(prompts)], 4, 0, LAYERS, max_tokens=16, batch=4, seed=0)
+    cfg = TrainConfig(block_size=4, num_layers=1, steps=10_000, sequences_per_step=2, anchors_per_sequence=4, warmup=1,
+                      checkpoint_every=10_000, snapshot_every=0, held_out=0.25, mask_token_id=16, vocab_floor=256)
+    state = stage_train(target, tmp_path, cfg, LAYERS, deadline=time.time() + 3, fit_after=2)
+    assert 2 <= cfg.steps < 10_000 and state.step <= cfg.steps
+    saved = torch.load(tmp_path / "train" / "checkpoint.pt", weights_only=False)
+    assert saved["config"]["steps"] == cfg.steps and saved["state"]["step"] == state.step

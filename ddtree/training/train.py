@@ -202,9 +202,13 @@ class TrainState:
 
 
 def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids, deadline: float | None = None,
-                init_from: Path | None = None) -> TrainState:
+                init_from: Path | None = None, fit_after: int | None = None) -> TrainState:
     """Trains until cfg.steps or the wall-clock `deadline` (then checkpoints: run again to go on),
     where the target's weights are (module docstring).
+
+    `fit_after` (with a deadline): after that many steps of this run, cfg.steps becomes as many
+    steps as the deadline leaves room for at their pace (at most cfg.steps), so the cosine ends as
+    the clock does; the schedule keeps its step and peak (as a resumed run's does).
 
     A new run starts from the target's last layers, or, with `init_from`, from that saved drafter
     (an earlier sitting's, trained on other data; the machine need not keep that data): its
@@ -261,6 +265,7 @@ def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids
     rng = random.Random(cfg.seed * 7919 + state.step)
     drafter.train()
     started, trained_tokens = time.perf_counter(), 0
+    began, first_step = time.time(), state.step
     acc = torch.zeros(cfg.block_size - 1)
     with tqdm(total=cfg.steps, initial=state.step, desc="train", unit="step") as bar:
         while state.step < cfg.steps:
@@ -285,6 +290,14 @@ def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids
             opt.step()
             sched.step()
             state.step += 1
+            if fit_after and deadline is not None and state.step - first_step == fit_after:
+                pace = (time.time() - began) / fit_after
+                cfg.steps = max(state.step, min(cfg.steps, state.step + int(0.95 * (deadline - time.time()) / pace)))
+                fitted = lr_schedule(opt, cfg)
+                fitted.load_state_dict(sched.state_dict())
+                sched = fitted
+                bar.total = cfg.steps
+                print(f"{1000 * pace:.0f} ms a step: a schedule of {cfg.steps} steps", flush=True)
             trained_tokens += anchors_seen * (cfg.block_size - 1)
             acc = 0.9 * acc + 0.1 * hits / max(anchors_seen, 1) if state.step > 1 else hits / max(anchors_seen, 1)
             state.loss_ema = total if state.loss_ema is None else 0.98 * state.loss_ema + 0.02 * total
