@@ -56,7 +56,7 @@ SHARD_BYTES = 15 * 2**20  # a device call brings back files of at most 16 MiB
 PROBE_STEPS = 40  # training steps timed before the schedule's length is fixed to fit the clock
 
 
-def save_sharded(drafter_dir: Path, out: Path, max_bytes: int | None = None) -> list[Path]:
+def save_sharded(drafter_dir: Path, out: Path, max_bytes: int | None = None) -> None:
     """The exported drafter (config.json + model.safetensors) as config.json, model-0000i-of-0000n
     shards of at most `max_bytes` each and model.safetensors.index.json, the layout
     DFlashDrafter.load reads."""
@@ -78,15 +78,13 @@ def save_sharded(drafter_dir: Path, out: Path, max_bytes: int | None = None) -> 
         size += nbytes
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text((drafter_dir / "config.json").read_text())
-    weight_map, files = {}, [out / "config.json"]
+    weight_map = {}
     for i, group in enumerate(groups, start=1):
         name = f"model-{i:05d}-of-{len(groups):05d}.safetensors"
         save_file(group, str(out / name), metadata={"format": "pt"})
         weight_map.update({k: name for k in group})
-        files.append(out / name)
     index = out / "model.safetensors.index.json"
     index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1))
-    return files + [index]
 
 
 def judged_tau(target, drafters: dict, files, limit: int, max_tokens: int, budget: int = 16) -> dict:
@@ -206,7 +204,7 @@ def main() -> None:
         for name, row in report["tau16"].items():
             print(f"{name}: " + ", ".join(f"{k} tau {v['tau']:.2f}" for k, v in row.items()), flush=True)
         stamp("evaluated")
-    if not all(math.isfinite(x) for x in [state.loss_ema or 0.0]):
+    if state.loss_ema is not None and not math.isfinite(state.loss_ema):
         raise SystemExit("training diverged (loss not finite)")
 
 
