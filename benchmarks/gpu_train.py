@@ -11,7 +11,7 @@ minutes. This runs the whole sitting against a wall clock:
    (ddtree.training.data; the judged prompt files are never planned);
 2. training (`--train-minutes`), continuing the shipped drafter (`--init-from`; `--layers` may
    add layers on top) with bf16 autocast, `--sequences-per-step` x `--anchors` blocks a step;
-   the first PROBE_STEPS steps are timed and the cosine schedule is then as long as the clock
+   the first FIT_PROBE_STEPS steps are timed and the cosine schedule is then as long as the clock
    allows (stage_train's `fit_after`; one run, so the features are loaded once);
 3. export, then held-out tau at budget 16 and top-1 accuracy on the first `--eval-prompts` of
    each judged file for the shipped drafter and the new one (the references decoded in one
@@ -48,12 +48,12 @@ from ddtree.training import TrainConfig, stage_data, stage_export, stage_train
 from ddtree.cli import parse_mix
 from ddtree.training.data import DEFAULT_HELD_OUT, export_tokens, render_prompt, recording_scheduler, stage_features
 from ddtree.training.evaluate import drafts_report
+from ddtree.training.train import FIT_PROBE_STEPS
 from ddtree.workers.drafter import DFlashDrafter, default_target_layer_ids
 from ddtree.workers.loading import load_target
 from ddtree.workers.requests import Request
 
 SHARD_BYTES = 15 * 2**20  # a device call brings back files of at most 16 MiB
-PROBE_STEPS = 40  # training steps timed before the schedule's length is fixed to fit the clock
 
 
 def save_sharded(drafter_dir: Path, out: Path, max_bytes: int | None = None) -> None:
@@ -185,7 +185,7 @@ def main() -> None:
                       checkpoint_every=250, snapshot_every=0)
     # the schedule's length from the first steps' pace: its cosine ends as the clock does
     state = stage_train(target, workdir, cfg, layers, deadline=time.time() + 60 * args.train_minutes,
-                        init_from=init_from, fit_after=PROBE_STEPS)
+                        init_from=init_from, fit_after=FIT_PROBE_STEPS)
     report["train"] = {"steps": state.step, "of": cfg.steps, "loss_ema": state.loss_ema,
                        "history": state.history[-8:], "held_out_sequences": state.held_out}
     stamp(f"trained {state.step} steps, loss {state.loss_ema:.3f}")

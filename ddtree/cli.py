@@ -267,6 +267,7 @@ def _train_drafter(args: argparse.Namespace) -> int:
 
     from .training import TrainConfig, stage_data, stage_export, stage_features, stage_train
     from .training.data import DEFAULT_HELD_OUT, export_tokens
+    from .training.train import FIT_PROBE_STEPS
     from .workers.drafter import default_target_layer_ids
     from .workers.loading import load_target
 
@@ -299,7 +300,8 @@ def _train_drafter(args: argparse.Namespace) -> int:
     if "train" in stages:
         deadline = time.time() + 60 * args.minutes if args.minutes else None
         state = stage_train(target, workdir, cfg, layers, deadline,
-                            init_from=Path(args.init_from) if args.init_from else None)
+                            init_from=Path(args.init_from) if args.init_from else None,
+                            fit_after=FIT_PROBE_STEPS if args.fit_schedule else None)
         if state.step < cfg.steps:
             print(f"stopped at step {state.step} of {cfg.steps} (time limit); run the train stage again to go on")
             return 0
@@ -491,6 +493,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--vocab-floor", type=int, default=8192,
                        help="the draft vocabulary: tokens in the data + ids below this (-1: the whole vocabulary)")
     train.add_argument("--minutes", type=float, help="stop training after this long (checkpointed; rerun to resume)")
+    train.add_argument("--fit-schedule", action="store_true",
+                       help="with --minutes: after its first 40 steps, shorten --steps to what the clock leaves room for at "
+                       "their pace, so the cosine schedule ends as the clock does")
     train.add_argument("--data-minutes", type=float,
                        help="stop the data stage after this long (finished shards stay; rerun to make the rest)")
     train.add_argument("--from-tokens", metavar="FILE",

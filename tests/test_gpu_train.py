@@ -37,7 +37,7 @@ def test_a_whole_sitting_runs_without_ray_and_brings_back_small_shards_that_load
     prompts.write_text("\n".join(json.dumps({"question": f"What is {i} times {i + 2}?"}) for i in range(5)))
     earlier, earlier_tokens = random_tokens_file(tmp_path / "earlier.safetensors")
     out = tmp_path / "out"
-    code = ("import sys, runpy; sys.argv = sys.argv[1:]; import gpu_train; gpu_train.SHARD_BYTES = 8 * 1024; gpu_train.PROBE_STEPS = 4; "
+    code = ("import sys, runpy; sys.argv = sys.argv[1:]; import gpu_train; gpu_train.SHARD_BYTES = 8 * 1024; gpu_train.FIT_PROBE_STEPS = 4; "
             "gpu_train.main()")
     args = ["gpu_train.py", "--out", str(out), "--workdir", str(tmp_path / "work"), "--model", str(tiny_chat_model),
             "--device", "cpu", "--prompts", str(prompts), "--self-prompts", "2", "--max-tokens", "16", "--batch", "4",
@@ -186,3 +186,26 @@ def test_a_clocked_run_fits_its_schedule_to_the_clock_from_its_first_steps(tiny_
     assert 2 <= cfg.steps < 10_000 and state.step <= cfg.steps
     saved = torch.load(tmp_path / "train" / "checkpoint.pt", weights_only=False)
     assert saved["config"]["steps"] == cfg.steps and saved["state"]["step"] == state.step
+
+
+def test_the_cli_fits_its_schedule_to_minutes_only_when_asked(tiny_chat_model, tmp_path, capsys):
+    """`train-drafter --stage train --minutes M --fit-schedule` (a CPU sitting on a clock) ends
+    its cosine with the clock: the checkpoint's schedule is shorter than --steps. Without the
+    flag the clock cuts the schedule off where it stands (the learning rate still high), as
+    sittings before it did."""
+    from ddtree.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question": f"Count to {i}."}) for i in range(4)))
+    target = load_target(tiny_chat_model, torch.float32)
+    common = ["train-drafter", "--stage", "train", "--model", str(tiny_chat_model), "--device", "cpu",
+              "--target-layers", *map(str, LAYERS), "--layers", "1", "--block-size", "4", "--steps", "100000",
+              "--sequences-per-step", "2", "--anchors", "4", "--vocab-floor", "256", "--mask-token-id", "16",
+              "--minutes", "0.1"]
+    for name, flags in (("fitted", ["--fit-schedule"]), ("cut", [])):
+        stage_data(target, tmp_path / name, [str(prompts)], 4, 0, LAYERS, max_tokens=16, batch=4, seed=0)
+        assert main([*common, "--workdir", str(tmp_path / name), *flags]) == 0
+        saved = torch.load(tmp_path / name / "train" / "checkpoint.pt", weights_only=False)
+        steps = saved["config"]["steps"]
+        assert saved["state"]["step"] >= 40 and (steps < 100_000 if flags else steps == 100_000), (name, steps)
+    assert "a schedule of" in capsys.readouterr().out

@@ -28,6 +28,7 @@ from .data import load_sequences
 from .teacher import load_teacher, stage_teacher
 
 MIN_LR_RATE = 0.1  # the learning rate at the last step, as a share of the peak
+FIT_PROBE_STEPS = 40  # steps timed before a schedule is fitted to the clock (stage_train's fit_after)
 
 
 @dataclass
