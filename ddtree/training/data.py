@@ -134,23 +134,24 @@ def render_prompt(tok, message: str, chat_kwargs: dict) -> list[int]:
     return tok.encode(text, add_special_tokens=False)
 
 
-def shard_tensors(requests: list[Request], results) -> dict:
-    """One shard's flat tensors (module docstring) from recorded results."""
-    tokens, features, offsets, starts = [], [], [0], []
-    for request, result in zip(requests, results):
-        seq = request.prompt + result.tokens
-        # features exist for every token but the last (no step consumed it)
-        assert result.features.shape[0] == len(seq) - 1
-        tokens.append(torch.tensor(seq[:-1], dtype=torch.int32))
-        features.append(result.features.to("cpu", torch.float16))
-        starts.append(len(request.prompt))
-        offsets.append(offsets[-1] + len(seq) - 1)
-    return {
-        "tokens": torch.cat(tokens),
-        "features": torch.cat(features),
-        "offsets": torch.tensor(offsets, dtype=torch.int64),
-        "response_starts": torch.tensor(starts, dtype=torch.int64),
-    }
+def write_shard(path: Path, tokens: list[torch.Tensor], features: list[torch.Tensor], starts: list[int]) -> None:
+    """One shard (module docstring) of sequences' tokens [T] and features [T, F], written whole
+    or not at all (a temporary file renamed over it): a stage stopped mid-write leaves no half
+    shard for a resumed run to skip."""
+    lengths = torch.tensor([0] + [len(t) for t in tokens], dtype=torch.int64)
+    tmp = path.with_suffix(".tmp")
+    save_file({"tokens": torch.cat(tokens).to(torch.int32), "features": torch.cat(features).to("cpu", torch.float16),
+               "offsets": lengths.cumsum(0), "response_starts": torch.tensor(starts, dtype=torch.int64)}, str(tmp))
+    tmp.replace(path)
+
+
+def write_results(path: Path, requests: list[Request], results) -> None:
+    """A shard of recorded results: the prompt and response, features for every token but the
+    last (no step consumed it)."""
+    seqs = [request.prompt + result.tokens for request, result in zip(requests, results)]
+    assert all(result.features.shape[0] == len(seq) - 1 for seq, result in zip(seqs, results))
+    write_shard(path, [torch.tensor(seq[:-1], dtype=torch.int32) for seq in seqs], [r.features for r in results],
+                [len(request.prompt) for request in requests])
 
 
 def _split(count: int, mix: dict[str, float]) -> dict[str, int]:
@@ -244,10 +245,7 @@ def stage_data(target: LoadedTarget, workdir: Path, prompt_files: list[str], lim
                 results[i][j] = update.result
                 left[i] -= 1
                 if left[i] == 0:
-                    path = data / f"shard-{i:05d}.safetensors"
-                    tmp = path.with_suffix(".tmp")
-                    save_file(shard_tensors(requests[i], results.pop(i)), str(tmp))
-                    tmp.replace(path)
+                    write_results(data / f"shard-{i:05d}.safetensors", requests[i], results.pop(i))
                     bar.update(1)
             bar.set_postfix(tokens=done_tokens, tok_s=f"{done_tokens / (time.perf_counter() - started):.0f}")
     return len(results)
@@ -315,13 +313,9 @@ def stage_features(target: LoadedTarget, workdir: Path, tokens_file: Path, layer
             on = seq.to(model.device)
             out = model(on[None], torch.arange(n, device=model.device)[None], model.prefill_mask(n),
                         model.new_cache(1, n), capture_layers=tuple(layer_ids), logits_to_keep=1)
-            tokens.append(seq.to(torch.int32))
+            tokens.append(seq)
             features.append(out.features[0].to("cpu", torch.float16))
-        lengths = torch.tensor([0] + [len(t) for t in tokens], dtype=torch.int64)
-        tmp = path.with_suffix(".tmp")
-        save_file({"tokens": torch.cat(tokens), "features": torch.cat(features), "offsets": lengths.cumsum(0),
-                   "response_starts": torch.tensor(starts[first:first + len(tokens)], dtype=torch.int64)}, str(tmp))
-        tmp.replace(path)
+        write_shard(path, tokens, features, starts[first:first + len(tokens)])
         written += len(tokens)
     return written
 
