@@ -494,8 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the draft vocabulary: tokens in the data + ids below this (-1: the whole vocabulary)")
     train.add_argument("--minutes", type=float, help="stop training after this long (checkpointed; rerun to resume)")
     train.add_argument("--fit-schedule", action="store_true",
-                       help="with --minutes: after its first 40 steps, shorten --steps to what the clock leaves room for at "
-                       "their pace, so the cosine schedule ends as the clock does")
+                       help="with --minutes: once its first steps are timed, shorten --steps to what the clock leaves room "
+                       "for at their pace, so the cosine schedule ends as the clock does")
     train.add_argument("--data-minutes", type=float,
                        help="stop the data stage after this long (finished shards stay; rerun to make the rest)")
     train.add_argument("--from-tokens", metavar="FILE",

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ddtree.training.data import load_sequences, stage_data, stage_features
-from ddtree.training.train import TrainConfig, init_drafter, stage_train
+from ddtree.training.train import FIT_PROBE_STEPS, TrainConfig, init_drafter, stage_train
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.loading import load_target, safetensors_files
 
@@ -207,5 +207,5 @@ def test_the_cli_fits_its_schedule_to_minutes_only_when_asked(tiny_chat_model, t
         assert main([*common, "--workdir", str(tmp_path / name), *flags]) == 0
         saved = torch.load(tmp_path / name / "train" / "checkpoint.pt", weights_only=False)
         steps = saved["config"]["steps"]
-        assert saved["state"]["step"] >= 40 and (steps < 100_000 if flags else steps == 100_000), (name, steps)
+        assert saved["state"]["step"] >= FIT_PROBE_STEPS and (steps < 100_000 if flags else steps == 100_000), (name, steps)
     assert "a schedule of" in capsys.readouterr().out
