@@ -26,7 +26,7 @@ MAX_DOC_CHARS = 1200  # ... and one longer is a manual page, not a task
 
 
 def stub(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str | None:
-    """`def name(args) -> ret:` and its docstring, indented as written; None without a fitting docstring."""
+    """`def name(args) -> ret:` and its docstring (cleaned, indented one level); None without a fitting docstring."""
     doc = ast.get_docstring(node, clean=True)
     if not doc or not MIN_DOC_CHARS <= len(doc) <= MAX_DOC_CHARS or '"""' in doc:
         return None

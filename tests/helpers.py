@@ -1,10 +1,13 @@
 """Helpers the tests share (fixtures live in conftest.py): tiny random Hugging Face models, the
-plain-decoding oracle, the Serve app's constants and a free loopback port."""
+plain-decoding oracle, the Serve app's constants, a free loopback port and the benchmark scripts
+as modules."""
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import socket
+from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -15,6 +18,15 @@ FAMILIES = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwe
 MODEL = "tiny-ddtree"
 CONTEXT = 256
 CHAT_SAMPLE = [{"role": "user", "content": "Tell me about trees."}]
+
+
+def benchmark_script(name: str):
+    """benchmarks/NAME.py loaded as a module (benchmarks/ is scripts, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_hf_model(family: str, vocab: int = 97, layers: int = 3, seed: int = 0, logit_scale: float = 20.0, **overrides):

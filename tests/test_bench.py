@@ -11,7 +11,7 @@ from ddtree.bench import json_rows, markdown, plot, read_prompts, run_bench
 from ddtree.config import ModelPairConfig
 from ddtree.engine import Engine
 
-from .helpers import hf_greedy
+from .helpers import benchmark_script, hf_greedy
 
 PROMPTS = ["Tell me about trees.", "What is a cache?", "Count to five."]
 MAX_TOKENS = 10
@@ -93,23 +93,12 @@ def test_read_prompts_takes_question_turns_or_prompt(tmp_path):
         read_prompts(path, None)
 
 
-def _budget_policy_script():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "budget_policy.py"
-    spec = importlib.util.spec_from_file_location("budget_policy_script", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_a_pass_is_sliced_into_runs_long_enough_for_its_streams():
     """The host's speed drifts by a quarter within a minute, so benchmarks/budget_policy.py runs
     every budget's slice of a pass before any budget's next slice. A slice too short for its
     streams would be all drain (a closed loop's last, shrinking batches), so each holds at least
     3 x streams requests, and the slices cover the pass's requests exactly once, in order."""
-    slices = _budget_policy_script().slices
+    slices = benchmark_script("budget_policy").slices
     assert slices(12, 1, 4) == [(0, 3), (3, 6), (6, 9), (9, 12)]
     assert slices(12, 4, 4) == [(0, 12)]  # 12 requests at 4 streams: too few to cut
     assert slices(64, 16, 4) == [(0, 64)]
@@ -130,4 +119,4 @@ def test_a_race_keeps_auto_plain_and_the_close_budgets():
         return r
 
     rows = {"auto": row("auto", 100), 0: row(0, 50), 4: row(4, 100), 8: row(8, 81), "chain": row("chain", 79)}
-    assert _budget_policy_script().raced(list(rows), rows, 0.8) == ["auto", 0, 4, 8]
+    assert benchmark_script("budget_policy").raced(list(rows), rows, 0.8) == ["auto", 0, 4, 8]
