@@ -39,8 +39,8 @@ def fresh(old: int, percent: bool, rng: random.Random) -> int:
     if old <= 12:
         return rng.choice([n for n in range(2, 13) if n != old])
     step = 10 if old % 10 == 0 else 5 if old % 5 == 0 else 1
-    lo, hi = max(step, old // 2), old * 2
-    choices = [n for n in range(lo - lo % step, hi + 1, step) if n >= 2 and n != old]
+    lo = -(-max(2, (old + 1) // 2) // step) * step  # the first multiple of step from half of old up
+    choices = [n for n in range(lo, 2 * old + 1, step) if n != old]
     return rng.choice(choices) if choices else old
 
 

@@ -165,7 +165,8 @@ def test_the_kept_training_tokens_hold_no_judged_prompt(smollm2):
         offsets, starts = data["offsets"].tolist(), data["response_starts"].tolist()
         assert len(offsets) == len(starts) + 1 == len(data["domains"]) + 1 and offsets[-1] == len(data["tokens"])
         assert all(0 < s < b - a for s, a, b in zip(starts, offsets, offsets[1:]))
-        assert set(domains) <= {"gsm8k-train", "code", "chat", "math", "stdlib-code"}  # stdlib-code: benchmarks/stdlib_prompts.py
+        assert set(domains) <= {"gsm8k-train", "code", "chat", "math",  # the data stage's own prompts
+                                "stdlib-code", "gsm8k-variants", "chat-open"}  # benchmarks/{stdlib_prompts,gsm8k_variants,chat_prompts}.py
         prompts = smollm2.tokenizer.batch_decode([data["tokens"][a:a + s].tolist() for a, s in zip(offsets, starts)])
         for prompt in prompts:
             text = _normal(prompt)

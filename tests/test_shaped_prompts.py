@@ -1,0 +1,63 @@
+"""benchmarks/gsm8k_variants.py and benchmarks/chat_prompts.py: training prompts in the judged
+domains' shapes (grade-school word problems, open assistant questions) that are not judged prompts."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import subprocess
+import sys
+
+from ddtree.training.data import DEFAULT_HELD_OUT, _normal, held_out_texts
+
+from .helpers import benchmark_script
+
+# Word problems written for this test (not GSM8K's): each exercises one rule of the variant.
+PROBLEMS = [
+    "Mara bakes 24 rolls and sells 24 of them at $1.50 each to 3 friends. Then she bakes 24 more. How many are left?",
+    "A tank holds 250 litres and is 40% full at 7:30 in the morning of 2019. How much water is in it after 1 hour?",
+    "Tom reads 3/4 of a 120-page book on his 2nd day. How many pages are left?",
+    "Nobody knows how many there are.",
+]
+
+
+def test_a_variant_draws_each_integer_afresh_near_its_size_and_keeps_the_rest():
+    script = benchmark_script("gsm8k_variants")
+    rng = random.Random(0)
+    for _ in range(50):
+        mara = script.variant(PROBLEMS[0], rng)
+        first, second, friends, more = (int(n) for n in re.findall(r"(?<![\d.])\d+(?![.\d])", mara))
+        assert first == second == more != 24  # one old number, one new one, everywhere in the problem
+        assert 12 <= first <= 48  # within a factor of two of 24
+        assert "$1.50" in mara  # a decimal stays
+        assert 2 <= friends <= 12 and friends != 3  # a small count stays small
+        tank = script.variant(PROBLEMS[1], rng)
+        litres, share = (int(n) for n in re.match(r"A tank holds (\d+) litres and is (\d+)% full", tank).groups())
+        assert 125 <= litres <= 500 and litres % 10 == 0 and litres != 250  # a round number stays round
+        assert 5 <= share <= 95 and share % 5 == 0 and share != 40  # a share stays a share
+        assert "at 7:30 in the morning of 2019" in tank and "after 1 hour" in tank  # time, year and 1 stay
+        tom = script.variant(PROBLEMS[2], rng)
+        assert tom.startswith("Tom reads 3/4 of a ") and "on his 2nd day" in tom  # a fraction and an ordinal stay
+        assert re.search(r"a (\d+)-page", tom).group(1) != "120"
+    assert script.variant(PROBLEMS[3], rng) == PROBLEMS[3]
+
+
+def test_the_variants_script_writes_only_problems_it_changed(tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"question": q, "answer": "#### 0"}) + "\n" for q in PROBLEMS))
+    out = tmp_path / "variants.jsonl"
+    run = subprocess.run([sys.executable, str(benchmark_script("gsm8k_variants").__file__), "--train", str(train),
+                          "--out", str(out), "--rows", "0:4", "--seed", "3"], check=True, capture_output=True, text=True)
+    prompts = [json.loads(line)["prompt"] for line in out.read_text().splitlines()]
+    assert len(prompts) == 3 and not set(prompts) & set(PROBLEMS)  # the numberless one is no variant
+    assert "3 variants of 4 training problems" in run.stdout
+
+
+def test_the_chat_prompts_are_many_distinct_one_line_questions_none_a_judged_one():
+    prompts = benchmark_script("chat_prompts").prompts()
+    assert len(prompts) > 1000 and len(set(prompts)) == len(prompts)
+    assert all("\n" not in p and "  " not in p and p[-1] in ".?" and p[0].isupper() for p in prompts)
+    judged = held_out_texts(DEFAULT_HELD_OUT)  # every judged file's user messages, as the data stage refuses them
+    assert len(judged) > 1000
+    assert not any(q in _normal(p) for p in prompts for q in judged)
