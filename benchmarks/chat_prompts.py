@@ -3,10 +3,10 @@ questions and requests -- advice, explanations, comparisons, role-play, estimate
 writing tasks -- each a template of this file filled with a topic of this file.
 
 The drafter's self-written chat prompts are what SmolLM2 writes when asked for a question: short and
-alike, and they stopped paying on vicuna-bench (RESULTS.md, 2026-12-05). Questions people put to an
-assistant are longer-lived and varied in kind; this file writes them from ~20 templates over ~400
-hand-written topics (so tens of thousands of distinct prompts), shuffled with a seed. No template is
-a judged prompt's wording, and the data stage refuses the judged files' prompts all the same.
+alike, and they stopped paying on vicuna-bench (RESULTS.md, 2026-12-05). The questions people put
+to an assistant vary in kind and audience; this file writes them from ~35 templates over ~380
+hand-written topics, shuffled with a seed. No template is a judged prompt's wording, and the data
+stage refuses the judged files' prompts all the same.
 
     python benchmarks/chat_prompts.py --out runs/chat-open.jsonl [--limit 2500] [--seed 0]
     ddtree train-drafter --workdir W --stage data --prompts runs/chat-open.jsonl ...
@@ -112,6 +112,30 @@ WRITING = [("a short story", "a lost key"), ("a poem", "the first snow of winter
            ("a social media post", "a community clean-up day"), ("a short dialogue", "a customer and a baker"),
            ("an apology email", "missing a meeting"), ("a script for a one-minute video", "saving water")]
 
+ISSUES = """air pollution, traffic congestion, plastic waste, loneliness among older people, youth
+unemployment, rising housing costs, misinformation online, noise in cities, water scarcity, food
+waste, deforestation, antibiotic resistance, childhood obesity, cyberbullying, overfishing, light
+pollution, soil erosion, homelessness, low voter turnout, the digital divide, invasive species, heat
+in crowded cities, fast fashion, electronic waste, burnout at work, student debt, coral bleaching,
+species extinction, drought, wildfires, flooding in coastal towns, the decline of bees, road
+accidents, sleep loss among teenagers, poor indoor air, litter in parks, long hospital waiting
+times, the cost of childcare, desertification, space debris""".split(",")
+
+HISTORY = """the fall of the Berlin Wall, the Black Death, the steam engine, the first modern Olympic
+Games, the building of the Panama Canal, the end of the Cold War, the first powered flight, the
+discovery of penicillin, the Apollo programme, the Great Depression, the electric light bulb, the
+rise of the Mongol Empire, the voyages of the Polynesian navigators, the railways of the 1800s, the
+founding of the United Nations, smallpox vaccination, the Meiji Restoration in Japan, the
+California Gold Rush, the fall of Constantinople, the first farming villages, the Space Race, the
+first transatlantic telegraph cable, the World Wide Web, the Protestant Reformation, the Irish
+potato famine, the opening of the Suez Canal, the exploration of Antarctica, the Magna Carta, the
+Library of Alexandria, the invention of the compass""".split(",")
+
+AUDIENCES = ["a student", "a retired person", "a busy parent", "a complete beginner", "someone on a tight budget",
+              "someone who works night shifts"]
+
+LISTENERS = ["a new employee", "my grandmother", "a high-school student"]
+
 TEMPLATES = {
     "advice": [("How do I get better at {}?", SKILLS), ("What are some practical ways to {}?", GOALS),
                ("What mistakes do beginners make when they try to {}?", GOALS),
@@ -119,7 +143,12 @@ TEMPLATES = {
                ("I want to improve at {}. Where should I start?", SKILLS),
                ("What habits help people become good at {}?", SKILLS),
                ("What should I know before I try to {}?", GOALS),
-               ("My friend wants to {}. What advice would you give?", GOALS)],
+               ("My friend wants to {}. What advice would you give?", GOALS),
+               ("As {}, how can I {}?", [(who, " ".join(g.split())) for who in AUDIENCES for g in GOALS])],
+    "issues": [("What are the main causes of {}, and what can be done about it?", ISSUES),
+               ("How could a city government reduce {}?", ISSUES), ("What can one person do about {}?", ISSUES)],
+    "history": [("What led to {}, and what followed from it?", HISTORY),
+                ("How did {} change people's everyday lives?", HISTORY), ("Why do historians still study {}?", HISTORY)],
     "compare": [("What is the difference between {} and {}?", PAIRS),
                 ("Compare {} and {}: what are the advantages of each?", PAIRS),
                 ("How are {} and {} alike, and how are they different?", PAIRS)],
@@ -128,7 +157,8 @@ TEMPLATES = {
                 ("What would go wrong without {}?", SYSTEMS),
                 ("What are the most common misconceptions about {}?", CONCEPTS),
                 ("What are the key facts everyone should know about {}?", CONCEPTS),
-                ("What are the main parts of {}, and what does each one do?", SYSTEMS)],
+                ("What are the main parts of {}, and what does each one do?", SYSTEMS),
+                ("Explain {} as if I were {}.", [(" ".join(c.split()), who) for who in LISTENERS for c in CONCEPTS])],
     "roleplay": [("Pretend you are {}. How would you {}?", ROLES), ("You are {}. In a few paragraphs, {}.", ROLES)],
     "estimate": [("Roughly how many {} are there? Walk me through your reasoning.", ESTIMATES),
                  ("Estimate the number of {}, and explain each step of your estimate.", ESTIMATES)],
