@@ -15,9 +15,9 @@ stage refuses the judged files' prompts all the same.
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
 import random
+
+from ddtree.bench import write_prompts
 
 SKILLS = """public speaking, cooking, writing, drawing, negotiating, chess, photography, gardening,
 swimming, running long distances, learning languages, playing the guitar, coding, budgeting, sleeping
@@ -188,9 +188,7 @@ def main() -> int:
     found = prompts()
     random.Random(args.seed).shuffle(found)
     found = found[: args.limit] if args.limit else found
-    with open(args.out, "w") as f:
-        for text in found:
-            f.write(json.dumps({"prompt": text}) + "\n")
+    write_prompts(args.out, found)
     print(f"{len(found)} chat prompts written to {args.out}")
     return 0
 

@@ -24,6 +24,8 @@ import json
 import random
 import re
 
+from ddtree.bench import write_prompts
+
 # An integer standing alone: not inside a decimal, fraction, time, thousands group or word ("3rd").
 NUMBER = re.compile(r"(?<![\d.,:/])\d+(?![\d.,:/]?\d|st\b|nd\b|rd\b|th\b)")
 PERCENT_AFTER = re.compile(r"\s*(%|percent)")
@@ -78,9 +80,7 @@ def main() -> int:
     originals = set(questions)
     out = [v for v in (variant(q, rng) for q in questions) if v not in originals]  # no number to change: no variant
     out = out[: args.limit] if args.limit else out
-    with open(args.out, "w") as f:
-        for text in out:
-            f.write(json.dumps({"prompt": text}) + "\n")
+    write_prompts(args.out, out)
     print(f"{len(out)} variants of {len(questions)} training problems written to {args.out}")
     return 0
 

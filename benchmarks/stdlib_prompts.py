@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import random
 import sys
 import sysconfig
 from pathlib import Path
+
+from ddtree.bench import write_prompts
 
 MIN_DOC_CHARS = 40  # a docstring shorter than this says too little to complete the function from
 MAX_DOC_CHARS = 1200  # ... and one longer is a manual page, not a task
@@ -67,9 +68,7 @@ def main() -> int:
     found = stubs(Path(sysconfig.get_paths()["stdlib"]))
     random.Random(args.seed).shuffle(found)
     found = found[: args.limit] if args.limit else found
-    with open(args.out, "w") as f:
-        for text in found:
-            f.write(json.dumps({"prompt": text}) + "\n")
+    write_prompts(args.out, found)
     print(f"{len(found)} stubs from Python {sys.version.split()[0]}'s standard library written to {args.out}")
     return 0
 

@@ -46,6 +46,13 @@ def read_prompts(path: str | Path, limit: int | None) -> list[str]:
     return prompts
 
 
+def write_prompts(path: str | Path, prompts: list[str]) -> None:
+    """`prompts` as JSONL rows with `prompt` (what read_prompts reads back)."""
+    with open(path, "w") as f:
+        for text in prompts:
+            f.write(json.dumps({"prompt": text}) + "\n")
+
+
 @dataclass
 class Row:
     mode: str  # "ddtree", "ddtree-lookup" (lookup branches in the trees), "hf-generate", "hf-prompt-lookup"

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 
+from ddtree.bench import read_prompts
 from ddtree.training.data import DEFAULT_HELD_OUT, _normal, held_out_texts
 
 from .helpers import benchmark_script
@@ -49,7 +50,7 @@ def test_the_variants_script_writes_only_problems_it_changed(tmp_path):
     out = tmp_path / "variants.jsonl"
     run = subprocess.run([sys.executable, str(benchmark_script("gsm8k_variants").__file__), "--train", str(train),
                           "--out", str(out), "--rows", "0:4", "--seed", "3"], check=True, capture_output=True, text=True)
-    prompts = [json.loads(line)["prompt"] for line in out.read_text().splitlines()]
+    prompts = read_prompts(out, None)  # as the data stage reads a prompt file
     assert len(prompts) == 3 and not set(prompts) & set(PROBLEMS)  # the numberless one is no variant
     assert "3 variants of 4 training problems" in run.stdout
 
