@@ -1,13 +1,13 @@
 """Math prompts in GSM8K's shape for the drafter's training data: grade-school word problems from
 GSM8K's *training* split with their numbers changed, so the target answers a new problem of the
-judged domain's shape and the drafter learns how the target works one through.
+judged domain's shape and the drafter learns how the target works through one.
 
 The drafter's sittings 1-6 took all 7,473 training problems once; the self-written math prompts
 that followed are short and bought little on gsm8k-test (RESULTS.md, 2026-12-05). A variant keeps a
 problem's story and wording and draws each integer afresh near its old size (the same old number
-becomes the same new one everywhere in the problem, so "half of 48" still refers back to 48);
-fractions, decimals, times, years, ordinals and 0/1 stay. The answers change with the numbers: the
-target's own greedy answer is what the drafter trains on, right or wrong.
+becomes the same new one everywhere in the problem, so a problem that names 48 twice names its
+new number twice); fractions, decimals, times, years, ordinals and 0/1 stay. The answers change
+with the numbers: the target's own greedy answer is what the drafter trains on, right or wrong.
 
 Only the training split is read (from a path: this project does not ship it); no test problem can
 come out, and the data stage refuses the judged files' prompts all the same.
