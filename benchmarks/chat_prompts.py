@@ -19,14 +19,20 @@ import random
 
 from ddtree.bench import write_prompts
 
-SKILLS = """public speaking, cooking, writing, drawing, negotiating, chess, photography, gardening,
+
+def topics(text: str) -> list[str]:
+    """A comma-separated, line-wrapped list of topics as clean strings."""
+    return [" ".join(t.split()) for t in text.split(",")]
+
+
+SKILLS = topics("""public speaking, cooking, writing, drawing, negotiating, chess, photography, gardening,
 swimming, running long distances, learning languages, playing the guitar, coding, budgeting, sleeping
 well, listening, leading a team, giving feedback, taking notes, memorizing facts, reading faster,
 making decisions, solving puzzles, typing, baking bread, managing money, job interviews, networking,
 teaching children, staying focused, writing emails, critical thinking, problem solving, mental math,
-knitting, singing, dancing, driving in snow, saving energy at home, repairing a bicycle""".split(",")
+knitting, singing, dancing, driving in snow, saving energy at home, repairing a bicycle""")
 
-GOALS = """save money on groceries, get more exercise, make new friends in a new city, stay motivated
+GOALS = topics("""save money on groceries, get more exercise, make new friends in a new city, stay motivated
 while studying, reduce screen time, prepare for a marathon, eat more vegetables, start a small
 business, keep a house plant alive, learn to cook on a budget, travel with less luggage, get
 organized at work, wake up earlier, read more books, reduce food waste, recover from burnout, keep
@@ -34,7 +40,7 @@ a journal, prepare for an exam, move to another country, care for an elderly par
 pay off debt, cut down on sugar, write a novel, stay safe while hiking, plan a wedding, reduce noise
 in an apartment, make a long flight comfortable, help a child with homework, lower an electricity
 bill, be more patient, handle criticism, keep in touch with old friends, make a garden attract
-bees, choose a laptop, start running at fifty, learn to swim as an adult, host a dinner party""".split(",")
+bees, choose a laptop, start running at fifty, learn to swim as an adult, host a dinner party""")
 
 PAIRS = [("a lake", "a sea"), ("weather", "climate"), ("a virus", "a bacterium"), ("stocks", "bonds"),
          ("renting", "buying a home"), ("a crocodile", "an alligator"), ("baking soda", "baking powder"),
@@ -50,7 +56,7 @@ PAIRS = [("a lake", "a sea"), ("weather", "climate"), ("a virus", "a bacterium")
          ("an ocean current", "a tide"), ("a loan", "a lease"), ("a museum", "a gallery"),
          ("a sprint", "a marathon"), ("classical music", "jazz"), ("a pencil", "a pen for sketching")]
 
-CONCEPTS = """photosynthesis, inflation, compound interest, the water cycle, natural selection,
+CONCEPTS = topics("""photosynthesis, inflation, compound interest, the water cycle, natural selection,
 supply and demand, black holes, vaccines, the greenhouse effect, plate tectonics, machine learning,
 the immune system, gravity, electricity, the stock market, opportunity cost, the placebo effect,
 recycling, democracy, blockchain, the scientific method, entropy, DNA, antibiotics, the internet,
@@ -59,15 +65,15 @@ metric system, probability, a budget deficit, the food chain, muscle memory, jet
 volcanoes, earthquakes, the northern lights, ocean acidification, a recession, copyright, solar
 panels, wind turbines, composting, the printing press, the Roman Empire, the Silk Road, the
 Renaissance, the Industrial Revolution, the moon landing, the French Revolution, ancient Egypt's
-pyramids, the Great Wall of China, the invention of the telephone, the history of money""".split(",")
+pyramids, the Great Wall of China, the invention of the telephone, the history of money""")
 
-SYSTEMS = """a refrigerator, a bicycle's gears, a search engine, a credit score, a heat pump, a GPS
+SYSTEMS = topics("""a refrigerator, a bicycle's gears, a search engine, a credit score, a heat pump, a GPS
 receiver, a microwave oven, a jet engine, a camera lens, a 3D printer, a dishwasher, a battery,
 the human heart, the kidneys, a thermostat, a touch screen, a compass, an elevator, a lock and
 key, a washing machine, a hearing aid, a traffic light system, an online auction, a library
 catalogue, a postal system, a water treatment plant, a hydroelectric dam, a sailboat, a hot-air
 balloon, a submarine, a vaccine trial, an election, a jury, a central bank, a recycling plant,
-a beehive, an ant colony, a coral reef, a rain forest, a desert ecosystem""".split(",")
+a beehive, an ant colony, a coral reef, a rain forest, a desert ecosystem""")
 
 ROLES = [("a ship's captain in a storm", "keep your crew calm"), ("a museum guide", "describe your favourite painting"),
          ("a chef opening a new restaurant", "choose the menu"), ("a park ranger", "welcome a group of hikers"),
@@ -83,21 +89,21 @@ ROLES = [("a ship's captain in a storm", "keep your crew calm"), ("a museum guid
          ("an inventor", "pitch your invention to investors"), ("a nurse on a night shift", "describe what you see"),
          ("a knight", "persuade a king to build a bridge")]
 
-ESTIMATES = """words a person speaks in a lifetime, grains of sand on a beach, heartbeats in a day,
+ESTIMATES = topics("""words a person speaks in a lifetime, grains of sand on a beach, heartbeats in a day,
 pages in all the books of a small library, leaves on a large oak tree, times a person blinks in a
 year, steps a postal worker walks in a month, photos taken in the world each day, litres of water
 a family uses in a week, piano tuners in a large city, cups of coffee drunk in a country each
 morning, trees in a city park, breaths a person takes in a year, kilometres a car drives in its
 life, songs a radio station plays in a year, bricks in a house, hairs on a human head, meals a
-person eats in a lifetime, balls used in a tennis season, letters in a thick novel""".split(",")
+person eats in a lifetime, balls used in a tennis season, letters in a thick novel""")
 
-WHAT_IFS = """the internet had never been invented, humans could breathe under water, the Moon
+WHAT_IFS = topics("""the internet had never been invented, humans could breathe under water, the Moon
 did not exist, electricity had been discovered a thousand years earlier, nobody had invented the
 wheel, everyone spoke the same language, cars had never been invented, the dinosaurs had not died
 out, people lived to two hundred, there were no seasons, paper had never been invented, the Earth
 had two suns, nobody needed to sleep, money did not exist, the printing press had never been
 invented, the Titanic had not sunk, computers had been invented in ancient Greece, every day were
-the same length all year, animals could talk, cities had no cars""".split(",")
+the same length all year, animals could talk, cities had no cars""")
 
 WRITING = [("a short story", "a lost key"), ("a poem", "the first snow of winter"), ("a blog post", "a weekend in the mountains"),
            ("a product description", "a reusable water bottle"), ("a thank-you note", "a neighbour who helped you move"),
@@ -112,16 +118,16 @@ WRITING = [("a short story", "a lost key"), ("a poem", "the first snow of winter
            ("a social media post", "a community clean-up day"), ("a short dialogue", "a customer and a baker"),
            ("an apology email", "missing a meeting"), ("a script for a one-minute video", "saving water")]
 
-ISSUES = """air pollution, traffic congestion, plastic waste, loneliness among older people, youth
+ISSUES = topics("""air pollution, traffic congestion, plastic waste, loneliness among older people, youth
 unemployment, rising housing costs, misinformation online, noise in cities, water scarcity, food
 waste, deforestation, antibiotic resistance, childhood obesity, cyberbullying, overfishing, light
 pollution, soil erosion, homelessness, low voter turnout, the digital divide, invasive species, heat
 in crowded cities, fast fashion, electronic waste, burnout at work, student debt, coral bleaching,
 species extinction, drought, wildfires, flooding in coastal towns, the decline of bees, road
 accidents, sleep loss among teenagers, poor indoor air, litter in parks, long hospital waiting
-times, the cost of childcare, desertification, space debris""".split(",")
+times, the cost of childcare, desertification, space debris""")
 
-HISTORY = """the fall of the Berlin Wall, the Black Death, the steam engine, the first modern Olympic
+HISTORY = topics("""the fall of the Berlin Wall, the Black Death, the steam engine, the first modern Olympic
 Games, the building of the Panama Canal, the end of the Cold War, the first powered flight, the
 discovery of penicillin, the Apollo programme, the Great Depression, the electric light bulb, the
 rise of the Mongol Empire, the voyages of the Polynesian navigators, the railways of the 1800s, the
@@ -129,7 +135,7 @@ founding of the United Nations, smallpox vaccination, the Meiji Restoration in J
 California Gold Rush, the fall of Constantinople, the first farming villages, the Space Race, the
 first transatlantic telegraph cable, the World Wide Web, the Protestant Reformation, the Irish
 potato famine, the opening of the Suez Canal, the exploration of Antarctica, the Magna Carta, the
-Library of Alexandria, the invention of the compass""".split(",")
+Library of Alexandria, the invention of the compass""")
 
 AUDIENCES = ["a student", "a retired person", "a busy parent", "a complete beginner", "someone on a tight budget",
               "someone who works night shifts"]
@@ -144,7 +150,7 @@ TEMPLATES = {
                ("What habits help people become good at {}?", SKILLS),
                ("What should I know before I try to {}?", GOALS),
                ("My friend wants to {}. What advice would you give?", GOALS),
-               ("As {}, how can I {}?", [(who, " ".join(g.split())) for who in AUDIENCES for g in GOALS])],
+               ("As {}, how can I {}?", [(who, goal) for who in AUDIENCES for goal in GOALS])],
     "issues": [("What are the main causes of {}, and what can be done about it?", ISSUES),
                ("How could a city government reduce {}?", ISSUES), ("What can one person do about {}?", ISSUES)],
     "history": [("What led to {}, and what followed from it?", HISTORY),
@@ -158,7 +164,7 @@ TEMPLATES = {
                 ("What are the most common misconceptions about {}?", CONCEPTS),
                 ("What are the key facts everyone should know about {}?", CONCEPTS),
                 ("What are the main parts of {}, and what does each one do?", SYSTEMS),
-                ("Explain {} as if I were {}.", [(" ".join(c.split()), who) for who in LISTENERS for c in CONCEPTS])],
+                ("Explain {} as if I were {}.", [(concept, who) for who in LISTENERS for concept in CONCEPTS])],
     "roleplay": [("Pretend you are {}. How would you {}?", ROLES), ("You are {}. In a few paragraphs, {}.", ROLES)],
     "estimate": [("Roughly how many {} are there? Walk me through your reasoning.", ESTIMATES),
                  ("Estimate the number of {}, and explain each step of your estimate.", ESTIMATES)],
@@ -174,8 +180,7 @@ def prompts() -> list[str]:
     for kinds in TEMPLATES.values():
         for template, topics in kinds:
             for topic in topics:
-                fill = topic if isinstance(topic, tuple) else (" ".join(topic.split()),)
-                out.append(template.format(*fill))
+                out.append(template.format(*(topic if isinstance(topic, tuple) else (topic,))))
     return list(dict.fromkeys(out))
 
 

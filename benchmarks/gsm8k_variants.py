@@ -35,15 +35,14 @@ def fresh(old: int, percent: bool, rng: random.Random) -> int:
     """A new integer of `old`'s kind: a share stays a share, a small count a small count, a round
     number round, a large one within a factor of two."""
     if percent:
-        return rng.choice([p for p in range(5, 100, 5) if p != old] or [old])
+        return rng.choice([p for p in range(5, 100, 5) if p != old])
     if old <= 1 or 1900 <= old <= 2100:  # "1 hour", "0 left", a year: their meaning is the number
         return old
     if old <= 12:
         return rng.choice([n for n in range(2, 13) if n != old])
     step = 10 if old % 10 == 0 else 5 if old % 5 == 0 else 1
     lo = -(-max(2, (old + 1) // 2) // step) * step  # the first multiple of step from half of old up
-    choices = [n for n in range(lo, 2 * old + 1, step) if n != old]
-    return rng.choice(choices) if choices else old
+    return rng.choice([n for n in range(lo, 2 * old + 1, step) if n != old])  # never empty: old >= 13
 
 
 def variant(question: str, rng: random.Random) -> str:

@@ -20,9 +20,12 @@ CONTEXT = 256
 CHAT_SAMPLE = [{"role": "user", "content": "Tell me about trees."}]
 
 
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
 def benchmark_script(name: str):
     """benchmarks/NAME.py loaded as a module (benchmarks/ is scripts, not a package)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    path = BENCHMARKS / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"{name}_script", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

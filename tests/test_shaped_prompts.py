@@ -12,7 +12,7 @@ import sys
 from ddtree.bench import read_prompts
 from ddtree.training.data import DEFAULT_HELD_OUT, _normal, held_out_texts
 
-from .helpers import benchmark_script
+from .helpers import BENCHMARKS, benchmark_script
 
 # Word problems written for this test (not GSM8K's): each exercises one rule of the variant.
 PROBLEMS = [
@@ -48,7 +48,7 @@ def test_the_variants_script_writes_only_problems_it_changed(tmp_path):
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps({"question": q, "answer": "#### 0"}) + "\n" for q in PROBLEMS))
     out = tmp_path / "variants.jsonl"
-    run = subprocess.run([sys.executable, str(benchmark_script("gsm8k_variants").__file__), "--train", str(train),
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "gsm8k_variants.py"), "--train", str(train),
                           "--out", str(out), "--rows", "0:4", "--seed", "3"], check=True, capture_output=True, text=True)
     prompts = read_prompts(out, None)  # as the data stage reads a prompt file
     assert len(prompts) == 3 and not set(prompts) & set(PROBLEMS)  # the numberless one is no variant

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import ast
-import json
 import subprocess
 import sys
-from pathlib import Path
 
+from ddtree.bench import read_prompts
 from ddtree.training.data import DEFAULT_HELD_OUT, _normal, held_out_texts
 
-from .helpers import benchmark_script
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "stdlib_prompts.py"
+from .helpers import BENCHMARKS, benchmark_script
 
 
 def test_a_stub_is_the_signature_and_docstring_without_the_body():
@@ -43,9 +40,9 @@ def tiny(x):
 
 def test_the_script_writes_distinct_prompts_none_of_them_a_judged_one(tmp_path):
     out = tmp_path / "code.jsonl"
-    subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--limit", "200", "--seed", "1"],
+    subprocess.run([sys.executable, str(BENCHMARKS / "stdlib_prompts.py"), "--out", str(out), "--limit", "200", "--seed", "1"],
                    check=True, capture_output=True)
-    prompts = [json.loads(line)["prompt"] for line in out.read_text().splitlines()]
+    prompts = read_prompts(out, None)  # as the data stage reads a prompt file
     assert len(prompts) == 200 and len(set(prompts)) == 200
     for text in prompts:
         ast.parse(text)
