@@ -4,9 +4,13 @@ writing tasks -- each a template of this file filled with a topic of this file.
 
 The drafter's self-written chat prompts are what SmolLM2 writes when asked for a question: short and
 alike, and they stopped paying on vicuna-bench (RESULTS.md, 2026-12-05). The questions people put
-to an assistant vary in kind and audience; this file writes them from ~35 templates over ~380
+to an assistant vary in kind and audience; this file writes them from ~35 templates over ~340
 hand-written topics, shuffled with a seed. No template is a judged prompt's wording, and the data
-stage refuses the judged files' prompts all the same.
+stage refuses the judged files' prompts all the same. No topic is a judged chat prompt's subject
+either: the 43 that were or came near (natural selection, vaccines, critical thinking, Python
+against JavaScript, ...) were taken out after s39 and s41 had trained on them (RESULTS.md,
+2026-12-05, thirty-sixth session); tests/test_shaped_prompts.py checks every topic against
+vicuna-bench.
 
     python benchmarks/chat_prompts.py --out runs/chat-open.jsonl [--limit 2500] [--seed 0]
     ddtree train-drafter --workdir W --stage data --prompts runs/chat-open.jsonl ...
@@ -25,122 +29,113 @@ def topics(text: str) -> list[str]:
     return [" ".join(t.split()) for t in text.split(",")]
 
 
-SKILLS = topics("""public speaking, cooking, writing, drawing, negotiating, chess, photography, gardening,
-swimming, running long distances, learning languages, playing the guitar, coding, budgeting, sleeping
-well, listening, leading a team, giving feedback, taking notes, memorizing facts, reading faster,
-making decisions, solving puzzles, typing, baking bread, managing money, job interviews, networking,
-teaching children, staying focused, writing emails, critical thinking, problem solving, mental math,
-knitting, singing, dancing, driving in snow, saving energy at home, repairing a bicycle""")
+SKILLS = topics("""public speaking, cooking, writing, drawing, negotiating, chess, photography,
+gardening, swimming, running long distances, learning languages, playing the guitar, coding, budgeting,
+sleeping well, listening, leading a team, giving feedback, taking notes, memorizing facts, reading
+faster, making decisions, solving puzzles, typing, baking bread, managing money, job interviews,
+networking, teaching children, staying focused, writing emails, mental math, knitting, singing, dancing,
+driving in snow, saving energy at home, repairing a bicycle""")
 
-GOALS = topics("""save money on groceries, get more exercise, make new friends in a new city, stay motivated
-while studying, reduce screen time, prepare for a marathon, eat more vegetables, start a small
-business, keep a house plant alive, learn to cook on a budget, travel with less luggage, get
-organized at work, wake up earlier, read more books, reduce food waste, recover from burnout, keep
-a journal, prepare for an exam, move to another country, care for an elderly parent, train a puppy,
-pay off debt, cut down on sugar, write a novel, stay safe while hiking, plan a wedding, reduce noise
-in an apartment, make a long flight comfortable, help a child with homework, lower an electricity
-bill, be more patient, handle criticism, keep in touch with old friends, make a garden attract
-bees, choose a laptop, start running at fifty, learn to swim as an adult, host a dinner party""")
+GOALS = topics("""save money on groceries, get more exercise, make new friends in a new city, stay
+motivated while studying, reduce screen time, prepare for a marathon, eat more vegetables, keep a house
+plant alive, learn to cook on a budget, travel with less luggage, get organized at work, wake up earlier,
+read more books, reduce food waste, recover from burnout, keep a journal, prepare for an exam, move to
+another country, care for an elderly parent, train a puppy, pay off debt, cut down on sugar, write a
+novel, stay safe while hiking, plan a wedding, reduce noise in an apartment, make a long flight
+comfortable, help a child with homework, lower an electricity bill, be more patient, handle criticism,
+keep in touch with old friends, make a garden attract bees, choose a laptop, start running at fifty,
+learn to swim as an adult, host a dinner party""")
 
 PAIRS = [("a lake", "a sea"), ("weather", "climate"), ("a virus", "a bacterium"), ("stocks", "bonds"),
          ("renting", "buying a home"), ("a crocodile", "an alligator"), ("baking soda", "baking powder"),
          ("a democracy", "a republic"), ("an electric car", "a hybrid car"), ("tea", "coffee"),
          ("speed", "velocity"), ("a comet", "an asteroid"), ("a psychologist", "a psychiatrist"),
-         ("Python", "JavaScript"), ("weightlifting", "yoga"), ("a novel", "a short story"),
-         ("an LED bulb", "an incandescent bulb"), ("a credit card", "a debit card"), ("mitosis", "meiosis"),
-         ("a violin", "a viola"), ("frogs", "toads"), ("a hurricane", "a tornado"), ("wool", "cotton"),
-         ("nuclear fission", "nuclear fusion"), ("a city", "a town"), ("a wiki", "a blog"),
-         ("working from home", "working in an office"), ("trains", "planes for short trips"),
-         ("a hotel", "a hostel"), ("paper books", "e-readers"), ("cats", "dogs as pets"),
-         ("a laptop", "a desktop computer"), ("butter", "margarine"), ("socialism", "capitalism"),
+         ("weightlifting", "yoga"), ("a novel", "a short story"), ("an LED bulb", "an incandescent bulb"),
+         ("a credit card", "a debit card"), ("mitosis", "meiosis"), ("a violin", "a viola"), ("frogs", "toads"),
+         ("a hurricane", "a tornado"), ("wool", "cotton"), ("nuclear fission", "nuclear fusion"),
+         ("a city", "a town"), ("trains", "planes for short trips"), ("a hotel", "a hostel"),
+         ("cats", "dogs as pets"), ("a laptop", "a desktop computer"), ("butter", "margarine"),
          ("an ocean current", "a tide"), ("a loan", "a lease"), ("a museum", "a gallery"),
-         ("a sprint", "a marathon"), ("classical music", "jazz"), ("a pencil", "a pen for sketching")]
+         ("a sprint", "a marathon"), ("a pencil", "a pen for sketching")]
 
-CONCEPTS = topics("""photosynthesis, inflation, compound interest, the water cycle, natural selection,
-supply and demand, black holes, vaccines, the greenhouse effect, plate tectonics, machine learning,
-the immune system, gravity, electricity, the stock market, opportunity cost, the placebo effect,
-recycling, democracy, blockchain, the scientific method, entropy, DNA, antibiotics, the internet,
-interest rates, sleep cycles, tides, rainbows, the seasons, carbon dating, encryption, the
-metric system, probability, a budget deficit, the food chain, muscle memory, jet lag, echoes,
-volcanoes, earthquakes, the northern lights, ocean acidification, a recession, copyright, solar
-panels, wind turbines, composting, the printing press, the Roman Empire, the Silk Road, the
-Renaissance, the Industrial Revolution, the moon landing, the French Revolution, ancient Egypt's
-pyramids, the Great Wall of China, the invention of the telephone, the history of money""")
+CONCEPTS = topics("""photosynthesis, inflation, compound interest, the water cycle, supply and demand,
+black holes, the greenhouse effect, plate tectonics, machine learning, the immune system, gravity,
+electricity, the stock market, opportunity cost, the placebo effect, recycling, democracy, blockchain,
+the scientific method, entropy, DNA, antibiotics, interest rates, sleep cycles, tides, rainbows, the
+seasons, carbon dating, encryption, the metric system, probability, a budget deficit, the food chain,
+muscle memory, jet lag, echoes, volcanoes, earthquakes, the northern lights, ocean acidification,
+copyright, solar panels, wind turbines, the printing press, the Roman Empire, the Silk Road, the
+Industrial Revolution, the moon landing, the French Revolution, ancient Egypt's pyramids, the Great Wall
+of China, the invention of the telephone, the history of money""")
 
-SYSTEMS = topics("""a refrigerator, a bicycle's gears, a search engine, a credit score, a heat pump, a GPS
-receiver, a microwave oven, a jet engine, a camera lens, a 3D printer, a dishwasher, a battery,
-the human heart, the kidneys, a thermostat, a touch screen, a compass, an elevator, a lock and
-key, a washing machine, a hearing aid, a traffic light system, an online auction, a library
-catalogue, a postal system, a water treatment plant, a hydroelectric dam, a sailboat, a hot-air
-balloon, a submarine, a vaccine trial, an election, a jury, a central bank, a recycling plant,
-a beehive, an ant colony, a coral reef, a rain forest, a desert ecosystem""")
+SYSTEMS = topics("""a refrigerator, a bicycle's gears, a search engine, a credit score, a heat pump, a
+GPS receiver, a microwave oven, a jet engine, a camera lens, a 3D printer, a dishwasher, a battery, the
+human heart, the kidneys, a thermostat, a touch screen, a compass, an elevator, a lock and key, a washing
+machine, a hearing aid, a traffic light system, an online auction, a library catalogue, a postal system,
+a water treatment plant, a hydroelectric dam, a sailboat, a submarine, an election, a jury, a central
+bank, a recycling plant, a beehive, an ant colony, a coral reef, a rain forest, a desert ecosystem""")
 
-ROLES = [("a ship's captain in a storm", "keep your crew calm"), ("a museum guide", "describe your favourite painting"),
+ROLES = [("a ship's captain in a storm", "keep your crew calm"),
+         ("a museum guide", "describe your favourite painting"),
          ("a chef opening a new restaurant", "choose the menu"), ("a park ranger", "welcome a group of hikers"),
-         ("an astronaut on the space station", "describe a normal day"), ("a detective", "explain how you solved a case"),
-         ("a medieval blacksmith", "describe your work to a visitor"), ("a teacher on the first day of school", "greet your class"),
+         ("an astronaut on the space station", "describe a normal day"),
+         ("a detective", "explain how you solved a case"),
+         ("a medieval blacksmith", "describe your work to a visitor"),
+         ("a teacher on the first day of school", "greet your class"),
          ("a tour guide in Rome", "introduce the city"), ("a coach at half-time", "encourage a losing team"),
          ("a librarian", "recommend a book to a bored teenager"), ("a farmer", "explain your year to a city child"),
-         ("a mountain guide", "prepare climbers for the summit"), ("a radio host", "open the morning show"),
-         ("a scientist who found a new species", "present it to the press"), ("a pirate", "tell the story of your treasure"),
-         ("a robot learning about humans", "describe what confuses you"), ("a travel agent", "sell a holiday in Iceland"),
-         ("a zookeeper", "explain how you care for elephants"), ("a mayor", "announce a new park"),
-         ("a time traveller from 1900", "react to a smartphone"), ("a lighthouse keeper", "describe a long winter"),
-         ("an inventor", "pitch your invention to investors"), ("a nurse on a night shift", "describe what you see"),
-         ("a knight", "persuade a king to build a bridge")]
+         ("a radio host", "open the morning show"),
+         ("a scientist who found a new species", "present it to the press"),
+         ("a travel agent", "sell a holiday in Iceland"), ("a zookeeper", "explain how you care for elephants"),
+         ("a mayor", "announce a new park"), ("a lighthouse keeper", "describe a long winter"),
+         ("a nurse on a night shift", "describe what you see")]
 
-ESTIMATES = topics("""words a person speaks in a lifetime, grains of sand on a beach, heartbeats in a day,
-pages in all the books of a small library, leaves on a large oak tree, times a person blinks in a
-year, steps a postal worker walks in a month, photos taken in the world each day, litres of water
-a family uses in a week, piano tuners in a large city, cups of coffee drunk in a country each
-morning, trees in a city park, breaths a person takes in a year, kilometres a car drives in its
-life, songs a radio station plays in a year, bricks in a house, hairs on a human head, meals a
-person eats in a lifetime, balls used in a tennis season, letters in a thick novel""")
+ESTIMATES = topics("""words a person speaks in a lifetime, grains of sand on a beach, heartbeats in a
+day, leaves on a large oak tree, times a person blinks in a year, steps a postal worker walks in a month,
+photos taken in the world each day, litres of water a family uses in a week, piano tuners in a large
+city, cups of coffee drunk in a country each morning, trees in a city park, breaths a person takes in a
+year, kilometres a car drives in its life, songs a radio station plays in a year, bricks in a house,
+hairs on a human head, meals a person eats in a lifetime, balls used in a tennis season, letters in a
+thick novel""")
 
-WHAT_IFS = topics("""the internet had never been invented, humans could breathe under water, the Moon
-did not exist, electricity had been discovered a thousand years earlier, nobody had invented the
-wheel, everyone spoke the same language, cars had never been invented, the dinosaurs had not died
-out, people lived to two hundred, there were no seasons, paper had never been invented, the Earth
-had two suns, nobody needed to sleep, money did not exist, the printing press had never been
-invented, the Titanic had not sunk, computers had been invented in ancient Greece, every day were
-the same length all year, animals could talk, cities had no cars""")
+WHAT_IFS = topics("""humans could breathe under water, the Moon did not exist, electricity had been
+discovered a thousand years earlier, nobody had invented the wheel, everyone spoke the same language, the
+dinosaurs had not died out, people lived to two hundred, there were no seasons, the Earth had two suns,
+nobody needed to sleep, money did not exist, the Titanic had not sunk, every day were the same length all
+year, animals could talk, cities had no cars""")
 
-WRITING = [("a short story", "a lost key"), ("a poem", "the first snow of winter"), ("a blog post", "a weekend in the mountains"),
-           ("a product description", "a reusable water bottle"), ("a thank-you note", "a neighbour who helped you move"),
-           ("a speech", "the value of volunteering"), ("a short story", "a robot who wants to paint"),
-           ("a poem", "an old bridge"), ("a letter", "your future self"), ("a review", "a fictional cafe"),
+WRITING = [("a short story", "a lost key"), ("a poem", "the first snow of winter"),
+           ("a thank-you note", "a neighbour who helped you move"), ("a speech", "the value of volunteering"),
+           ("a short story", "a robot who wants to paint"), ("a poem", "an old bridge"),
            ("a short essay", "why libraries matter"), ("an email to a manager", "asking for a day off"),
            ("a cover letter", "a job at a bookshop"), ("a limerick", "a cat who loves boxes"),
-           ("a short story", "two strangers on a delayed train"), ("a motivational message", "students before exams"),
-           ("a recipe introduction", "a grandmother's soup"), ("a news report", "a town festival"),
-           ("a complaint letter", "a late delivery"), ("a toast", "a friend's birthday"),
-           ("a short story", "a village where it never rains"), ("a poem", "the sound of the ocean"),
-           ("a social media post", "a community clean-up day"), ("a short dialogue", "a customer and a baker"),
-           ("an apology email", "missing a meeting"), ("a script for a one-minute video", "saving water")]
+           ("a short story", "two strangers on a delayed train"),
+           ("a motivational message", "students before exams"), ("a recipe introduction", "a grandmother's soup"),
+           ("a news report", "a town festival"), ("a complaint letter", "a late delivery"),
+           ("a toast", "a friend's birthday"), ("a short story", "a village where it never rains"),
+           ("a poem", "the sound of the ocean"), ("a short dialogue", "a customer and a baker")]
 
-ISSUES = topics("""air pollution, traffic congestion, plastic waste, loneliness among older people, youth
-unemployment, rising housing costs, misinformation online, noise in cities, water scarcity, food
-waste, deforestation, antibiotic resistance, childhood obesity, cyberbullying, overfishing, light
-pollution, soil erosion, homelessness, low voter turnout, the digital divide, invasive species, heat
-in crowded cities, fast fashion, electronic waste, burnout at work, student debt, coral bleaching,
-species extinction, drought, wildfires, flooding in coastal towns, the decline of bees, road
-accidents, sleep loss among teenagers, poor indoor air, litter in parks, long hospital waiting
-times, the cost of childcare, desertification, space debris""")
+ISSUES = topics("""air pollution, traffic congestion, loneliness among older people, youth unemployment,
+rising housing costs, noise in cities, water scarcity, food waste, deforestation, antibiotic resistance,
+childhood obesity, cyberbullying, overfishing, light pollution, soil erosion, homelessness, low voter
+turnout, the digital divide, invasive species, heat in crowded cities, fast fashion, electronic waste,
+burnout at work, student debt, coral bleaching, species extinction, drought, wildfires, flooding in
+coastal towns, the decline of bees, road accidents, sleep loss among teenagers, poor indoor air, litter
+in parks, long hospital waiting times, the cost of childcare, desertification, space debris""")
 
-HISTORY = topics("""the fall of the Berlin Wall, the Black Death, the steam engine, the first modern Olympic
-Games, the building of the Panama Canal, the end of the Cold War, the first powered flight, the
-discovery of penicillin, the Apollo programme, the Great Depression, the electric light bulb, the
-rise of the Mongol Empire, the voyages of the Polynesian navigators, the railways of the 1800s, the
-founding of the United Nations, smallpox vaccination, the Meiji Restoration in Japan, the
-California Gold Rush, the fall of Constantinople, the first farming villages, the Space Race, the
-first transatlantic telegraph cable, the World Wide Web, the Protestant Reformation, the Irish
-potato famine, the opening of the Suez Canal, the exploration of Antarctica, the Magna Carta, the
+HISTORY = topics("""the fall of the Berlin Wall, the steam engine, the first modern Olympic Games, the
+building of the Panama Canal, the end of the Cold War, the first powered flight, the discovery of
+penicillin, the Apollo programme, the Great Depression, the electric light bulb, the rise of the Mongol
+Empire, the voyages of the Polynesian navigators, the railways of the 1800s, the founding of the United
+Nations, the Meiji Restoration in Japan, the California Gold Rush, the fall of Constantinople, the first
+farming villages, the Space Race, the first transatlantic telegraph cable, the World Wide Web, the
+Protestant Reformation, the Irish potato famine, the exploration of Antarctica, the Magna Carta, the
 Library of Alexandria, the invention of the compass""")
 
-AUDIENCES = ["a student", "a retired person", "a busy parent", "a complete beginner", "someone on a tight budget",
+AUDIENCES = ["a retired person", "a busy parent", "a complete beginner", "someone on a tight budget",
               "someone who works night shifts"]
 
-LISTENERS = ["a new employee", "my grandmother", "a high-school student"]
+LISTENERS = ["my grandmother", "a high-school student"]
 
 TEMPLATES = {
     "advice": [("How do I get better at {}?", SKILLS), ("What are some practical ways to {}?", GOALS),

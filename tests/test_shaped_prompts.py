@@ -62,3 +62,40 @@ def test_the_chat_prompts_are_many_distinct_one_line_questions_none_a_judged_one
     judged = held_out_texts(DEFAULT_HELD_OUT)  # every judged file's user messages, as the data stage refuses them
     assert len(judged) > 1000
     assert not any(q in _normal(p) for p in prompts for q in judged)
+
+
+GENERIC = {"describe", "explain", "write", "what", "which", "when", "where", "with", "from", "that", "this", "into",
+           "your", "about", "after", "before", "their", "there", "would", "could", "should", "other", "some", "more",
+           "most", "very"}
+
+
+def _stems(text: str) -> set[str]:
+    """Content words of four letters or more, cut to six letters (vaccines ~ vaccinations)."""
+    return {w[:6] for w in re.findall(r"[a-z]+", text.lower()) if len(w) >= 4 and w not in GENERIC}
+
+
+def test_no_chat_topic_is_the_subject_of_a_judged_chat_prompt():
+    """Session 35's chat_prompts.py had topics that are judged vicuna-bench prompts' subjects:
+    "Python" and "JavaScript" compared (judged prompt 2), "critical thinking" (6), "vaccines"
+    (16), "natural selection" (19), "working from home" (3), "a recession" (12), among the first
+    20 that eval-drafter judges. No prompt was a judged one word for word, but the target answers
+    "Explain natural selection in simple terms." much as it answers the judged question about
+    natural selection, so training on it drafts that judged answer: a leak of the judged file by
+    topic (RESULTS.md, 2026-12-05, thirty-sixth session, measured what it did). A topic is a
+    judged prompt's subject when every content word of it is in that prompt, or two of them are
+    (by six-letter stems); no template's topic may be one for any judged chat prompt."""
+    script = benchmark_script("chat_prompts")
+    judged = [(i, _stems(q)) for i, q in enumerate(read_prompts(BENCHMARKS / "data" / "vicuna-bench.jsonl", None))]
+    assert len(judged) == 80
+    # the rule finds each subject the session-35 lists shared with a judged prompt
+    for topic, i in [("natural selection", 19), ("vaccines", 16), ("critical thinking", 6), ("JavaScript", 2),
+                     ("a blog post", 76)]:
+        assert _stems(topic) <= judged[i][1] or len(_stems(topic) & judged[i][1]) >= 2, topic
+    shared = []
+    for kinds in script.TEMPLATES.values():
+        for _, topics in kinds:
+            for topic in topics:
+                for words in topic if isinstance(topic, tuple) else (topic,):
+                    mine = _stems(words)
+                    shared += [(words, i) for i, theirs in judged if mine and (mine <= theirs or len(mine & theirs) >= 2)]
+    assert not shared, f"chat topics that are judged prompts' subjects (topic, judged prompt number): {shared}"
