@@ -1,10 +1,11 @@
 """Chat prompts in an assistant benchmark's shape for the drafter's training data: one-sentence open
-questions and requests -- advice, explanations, comparisons, role-play, estimates, what-ifs, short
-writing tasks -- each a template of this file filled with a topic of this file.
+questions and requests -- advice, explanations, two-part knowledge questions, comparisons, role-play,
+estimates, what-ifs, short writing tasks -- each a template of this file filled with a topic of
+this file.
 
 The drafter's self-written chat prompts are what SmolLM2 writes when asked for a question: short and
 alike, and they stopped paying on vicuna-bench (RESULTS.md, 2026-12-05). The questions people put
-to an assistant vary in kind and audience; this file writes them from ~35 templates over ~340
+to an assistant vary in kind and audience; this file writes them from ~50 templates over ~340
 hand-written topics, shuffled with a seed. No template is a judged prompt's wording, and the data
 stage refuses the judged files' prompts all the same. No topic is a judged chat prompt's subject
 either: the 43 that were or came near (natural selection, vaccines, critical thinking, Python
@@ -145,14 +146,23 @@ TEMPLATES = {
                ("What habits help people become good at {}?", SKILLS),
                ("What should I know before I try to {}?", GOALS),
                ("My friend wants to {}. What advice would you give?", GOALS),
-               ("As {}, how can I {}?", [(who, goal) for who in AUDIENCES for goal in GOALS])],
+               ("As {}, how can I {}?", [(who, goal) for who in AUDIENCES for goal in GOALS]),
+               ("Give me five tips to {}, with a sentence on why each one works.", GOALS),
+               ("What daily routine would help someone {}?", GOALS),
+               ("What exercises would help me build my {} skills?", SKILLS),
+               ("Write a short guide for {} who wants to {}.", [(who, goal) for who in AUDIENCES for goal in GOALS])],
     "issues": [("What are the main causes of {}, and what can be done about it?", ISSUES),
-               ("How could a city government reduce {}?", ISSUES), ("What can one person do about {}?", ISSUES)],
+               ("How could a city government reduce {}?", ISSUES), ("What can one person do about {}?", ISSUES),
+               ("Which factors shape {} the most, and how do they interact?", ISSUES),
+               ("How does {} affect people's health and their communities, and what would reduce the harm?", ISSUES),
+               ("What are the economic and social effects of {}, and who bears most of them?", ISSUES)],
     "history": [("What led to {}, and what followed from it?", HISTORY),
-                ("How did {} change people's everyday lives?", HISTORY), ("Why do historians still study {}?", HISTORY)],
+                ("How did {} change people's everyday lives?", HISTORY), ("Why do historians still study {}?", HISTORY),
+                ("Tell me about {}: what happened, and how does it still shape the world today?", HISTORY)],
     "compare": [("What is the difference between {} and {}?", PAIRS),
                 ("Compare {} and {}: what are the advantages of each?", PAIRS),
-                ("How are {} and {} alike, and how are they different?", PAIRS)],
+                ("How are {} and {} alike, and how are they different?", PAIRS),
+                ("Which would you recommend, {} or {}, and in what situations?", PAIRS)],
     "explain": [("Explain {} in simple terms.", CONCEPTS), ("Why does {} matter to ordinary people?", CONCEPTS),
                 ("Can you explain {} to a ten-year-old?", CONCEPTS), ("How does {} work?", SYSTEMS),
                 ("What would go wrong without {}?", SYSTEMS),
@@ -160,11 +170,19 @@ TEMPLATES = {
                 ("What are the key facts everyone should know about {}?", CONCEPTS),
                 ("What are the main parts of {}, and what does each one do?", SYSTEMS),
                 ("Explain {} as if I were {}.", [(concept, who) for who in LISTENERS for concept in CONCEPTS])],
+    "knowledge": [("Describe how {} works, and discuss both its benefits and its risks.", CONCEPTS),
+                  ("What role does {} play in modern society, and how might that change in the next twenty years?",
+                   CONCEPTS),
+                  ("How do scientists and experts study {}, and what have they learned about it so far?", CONCEPTS),
+                  ("Walk me through how {} works, from start to finish, and what can go wrong along the way.",
+                   SYSTEMS)],
     "roleplay": [("Pretend you are {}. How would you {}?", ROLES), ("You are {}. In a few paragraphs, {}.", ROLES)],
     "estimate": [("Roughly how many {} are there? Walk me through your reasoning.", ESTIMATES),
-                 ("Estimate the number of {}, and explain each step of your estimate.", ESTIMATES)],
+                 ("Estimate the number of {}, and explain each step of your estimate.", ESTIMATES),
+                 ("Give a rough estimate of the number of {}, stating every assumption you make.", ESTIMATES)],
     "what-if": [("What would the world look like if {}?", WHAT_IFS), ("Imagine {}. How would daily life change?", WHAT_IFS),
-                ("Suppose {}. What would be the biggest consequences?", WHAT_IFS)],
+                ("Suppose {}. What would be the biggest consequences?", WHAT_IFS),
+                ("What would be different about today's world if {}?", WHAT_IFS)],
     "writing": [("Write {} about {}.", WRITING), ("Please draft {} about {}, in a warm tone.", WRITING)],
 }
 
