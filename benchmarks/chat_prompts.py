@@ -5,7 +5,7 @@ this file.
 
 The drafter's self-written chat prompts are what SmolLM2 writes when asked for a question: short and
 alike, and they stopped paying on vicuna-bench (RESULTS.md, 2026-12-05). The questions people put
-to an assistant vary in kind and audience; this file writes them from ~50 templates over ~340
+to an assistant vary in kind and audience; this file writes them from ~55 templates over ~400
 hand-written topics, shuffled with a seed. No template is a judged prompt's wording, and the data
 stage refuses the judged files' prompts all the same. No topic is a judged chat prompt's subject
 either: the 43 that were or came near (natural selection, vaccines, critical thinking, Python
@@ -45,7 +45,21 @@ another country, care for an elderly parent, train a puppy, pay off debt, cut do
 novel, stay safe while hiking, plan a wedding, reduce noise in an apartment, make a long flight
 comfortable, help a child with homework, lower an electricity bill, be more patient, handle criticism,
 keep in touch with old friends, make a garden attract bees, choose a laptop, start running at fifty,
-learn to swim as an adult, host a dinner party""")
+learn to swim as an adult, host a dinner party, keep a tidy home, plan a holiday on a small budget, start
+volunteering, cook for a large family, get back into reading, improve my handwriting, sleep on a night
+train, grow tomatoes on a balcony, teach a teenager to drive, prepare a house for winter, choose a first
+bicycle, run a book club, get ready for a long hike, learn to touch type, settle into a new school, keep
+a long-distance friendship going, look after a rescue cat, plan a child's birthday party""")
+
+FIELDS = topics("""urban planning, storing renewable energy, container shipping, the human microbiome,
+earthquake-resistant buildings, desalination, weather forecasting, organ donation, carbon capture, the
+electric grid, fusion research, self-driving cars, houses built by 3D printers, nuclear power, online
+privacy, password security, cloud computing, open-source software, satellites that watch the Earth, sleep
+research, memory in old age, public libraries, sports science, wildlife corridors, river restoration,
+melting glaciers, volcano monitoring, tsunami warning systems, air traffic control, credit unions,
+microloans, a universal basic income, minimum wage laws, rent control, a four-day working week, ageing
+populations, pension systems, noise-cancelling headphones, smart thermostats, archaeology, weather
+satellites, dam building, bird migration, space telescopes, seed banks""")
 
 PAIRS = [("a lake", "a sea"), ("weather", "climate"), ("a virus", "a bacterium"), ("stocks", "bonds"),
          ("renting", "buying a home"), ("a crocodile", "an alligator"), ("baking soda", "baking powder"),
@@ -175,7 +189,13 @@ TEMPLATES = {
                    CONCEPTS),
                   ("How do scientists and experts study {}, and what have they learned about it so far?", CONCEPTS),
                   ("Walk me through how {} works, from start to finish, and what can go wrong along the way.",
-                   SYSTEMS)],
+                   SYSTEMS),
+                  ("Describe how {} works, and discuss both its benefits and its risks.", FIELDS),
+                  ("What role does {} play in modern society, and how might that change in the next twenty years?",
+                   FIELDS),
+                  ("How do scientists and experts study {}, and what have they learned about it so far?", FIELDS),
+                  ("What are the biggest open questions about {}, and why are they hard to answer?", FIELDS),
+                  ("Why does {} matter to ordinary people?", FIELDS), ("Explain {} in simple terms.", FIELDS)],
     "roleplay": [("Pretend you are {}. How would you {}?", ROLES), ("You are {}. In a few paragraphs, {}.", ROLES)],
     "estimate": [("Roughly how many {} are there? Walk me through your reasoning.", ESTIMATES),
                  ("Estimate the number of {}, and explain each step of your estimate.", ESTIMATES),
