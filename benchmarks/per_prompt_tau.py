@@ -54,6 +54,9 @@ def main() -> None:
         n = sum(rounds[directory][i] for i in which)
         return sum(emitted[i] for i in which) / n if n else 0.0
 
+    def change(taus: list[float]) -> str:  # the last drafter against the first
+        return f"{taus[-1] / taus[0] - 1:+.1%}" if taus[0] else "-"
+
     names = [Path(d).name for d in args.drafter]
     print(f"tau at budget {args.budget}, greedy, {args.max_tokens} tokens; marked: {sorted(marked)}")
     print("| prompt | tokens | " + " | ".join(names) + " | change |")
@@ -62,7 +65,7 @@ def main() -> None:
     for i in every:
         taus = [tau(d, [i]) for d in args.drafter]
         print(f"| {i}{' *' if i in marked else ''} | {emitted[i]} | " + " | ".join(f"{t:.2f}" for t in taus)
-              + f" | {taus[-1] / taus[0] - 1:+.1%} |")
+              + f" | {change(taus)} |")
     groups = {"all": list(every), "marked": sorted(marked), "the rest": [i for i in every if i not in marked]}
     report = {}
     for name, which in groups.items():
@@ -71,7 +74,7 @@ def main() -> None:
         taus = [tau(d, which) for d in args.drafter]
         report[name] = dict(zip(args.drafter, taus))
         print(f"| **{name}** ({len(which)}) | {sum(emitted[i] for i in which)} | "
-              + " | ".join(f"{t:.2f}" for t in taus) + f" | {taus[-1] / taus[0] - 1:+.1%} |")
+              + " | ".join(f"{t:.2f}" for t in taus) + f" | {change(taus)} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"budget": args.budget, "prompts": args.prompts, "limit": args.limit,
                                                "marked": sorted(marked), "emitted": emitted, "rounds": rounds,
