@@ -861,6 +861,31 @@ def test_a_band_whose_probes_cost_much_probes_seldomer():
     assert late and all(b - a < 2 * EXPLORE for a, b in zip(late, late[1:])), probed  # EXPLORE steps rule
 
 
+def test_a_band_where_the_best_gains_seen_add_little_probes_at_a_smaller_share():
+    """With EXPLORE_SHARE for every band, 16 streams spent ~3% of their decoding on probes (5 a
+    pass of ~100 ms steps against ~57 ms plain ones) whose sequences, were they the best ever
+    seen, would have added a few per cent to a step of 16: auto ran 0.95-0.96x plain. A band's
+    share is now what its probes are expected to return (their yield, ~1/6 here, times that
+    relative gain), between HOPELESS_SHARE and EXPLORE_SHARE: where the best gains seen add ~5%
+    to the step its probes come, once its yield has fallen, half as often as where they triple it."""
+    def gaps(hope_gain: float) -> list[int]:
+        policy = BudgetPolicy(CostCurve({4: 0.040, 8: 0.060}))  # padded: a 1-node tree each costs half a step
+        policy.hope = {1: 0.0, 2: hope_gain}
+        probed = _probe_steps(policy, {1: 0.0, 2: 0.2}, steps=1500, probe_s=0.080)
+        assert policy.probe_cost(4) == pytest.approx(0.040)  # 80 ms, 40 of it the plain step's
+        late = [s for s in probed if s >= 300]
+        return [b - a for a, b in zip(late, late[1:])]
+
+    # the probes teach T(8) their 80 ms: 4 x 1.1 tokens in 80 ms make 105 tokens/s against the
+    # plain step's 100, 4 x 5 tokens 300
+    lean, rich = gaps(1.1), gaps(5.0)
+    explore_gap = math.ceil(0.040 / EXPLORE_SHARE / 0.040)  # 50 plain steps
+    assert rich and all(explore_gap <= g < 2 * explore_gap for g in rich), rich
+    # the lean band's gaps grow as its yield falls (to ~1/6): 51, 54, 62, ... 113
+    assert lean == sorted(lean) and len(lean) < 0.7 * len(rich), (lean, rich)
+    assert all(g >= 2 * explore_gap for g in lean[-3:]), lean
+
+
 def test_the_drafters_context_rows_are_priced_apart_from_its_sequences():
     """At 16 streams a probe drafted a new wave of 16 sequences, each with its whole prompt for
     the drafter to take in: 161 ms where D(16), learned from sequences drafting step after step

@@ -84,15 +84,23 @@ class LookupCalibration:
     trials: dict[int, list[float]] = field(default_factory=dict)  # n-gram -> [depth - 1] reached the parent
 
     def probability(self, ngram: int, depth: int) -> float:
-        base = self.prior.probability(ngram, depth) if self.prior is not None else PRIOR[min(ngram, MAX_NGRAM)]
-        hits, trials = self.hits.get(ngram, []), self.trials.get(ngram, [])
-        i = depth - 1
-        h, t = (hits[i], trials[i]) if i < len(trials) else (0.0, 0.0)
-        return (h + PRIOR_WEIGHT * base) / (t + PRIOR_WEIGHT)
+        return self.probabilities(ngram, depth)[-1]
+
+    def probabilities(self, ngram: int, depths: int) -> list[float]:
+        """`probability` at depths 1 ... `depths`, the priors' in one pass each (a chain asked
+        for its depths one at a time walked the priors once a depth: ~60k calls a pass at 64
+        streams)."""
+        if self.prior is not None:
+            bases = self.prior.probabilities(ngram, depths)
+        else:
+            bases = [PRIOR[min(ngram, MAX_NGRAM)]] * depths
+        hits, trials = self.hits.get(ngram, ()), self.trials.get(ngram, ())
+        seen = len(trials)
+        return [((hits[i] if i < seen else 0.0) + PRIOR_WEIGHT * base) / ((trials[i] if i < seen else 0.0) + PRIOR_WEIGHT)
+                for i, base in enumerate(bases)]
 
     def branch(self, tokens: list[int], ngram: int) -> Lookup:
-        return Lookup(tokens, [math.log(max(self.probability(ngram, d), LEAST_PROBABILITY))
-                               for d in range(1, len(tokens) + 1)], ngram)
+        return Lookup(tokens, [math.log(max(p, LEAST_PROBABILITY)) for p in self.probabilities(ngram, len(tokens))], ngram)
 
     def observe(self, ngram: int, offered: int, followed: int) -> None:
         """One round: the chain's nodes at depths 1 ... `offered` were in the tree and the

@@ -67,8 +67,11 @@ a stretch of plain decoding gets probed again. A probe is paid for by what follo
 band of batch sizes probes while a quarter or more of its recent probes were followed by the
 plan drafting that sequence for its gains (`probe_yield`), else once every EXPLORE steps (the
 due sequences all at once, sharing the drafter's pass) and no sooner than its last such probe's
-net cost (`probe_cost`: its seconds past what its tokens take plain) is EXPLORE_SHARE of the
-band's time since: at 16 streams a probe of a new wave of sequences cost ~100 ms past its tokens.
+net cost (`probe_cost`: its seconds past what its tokens take plain) is a share of the band's time
+since: at 16 streams a probe of a new wave of sequences cost ~100 ms past its tokens. The share is
+what a probe is expected to return -- the share of probes followed by drafting times what the best
+gains seen would add to the step's rate -- between HOPELESS_SHARE and EXPLORE_SHARE: one sequence
+found drafting adds ~40% at one stream, a few per cent to a step of 16.
 The pieces are learned apart, so each band also checks their sum against its steps as a whole:
 an option with trees is weighed at what the band's steps with trees realized of the rate
 predicted for them, over what its plain steps realized of theirs (`tree_rate`, at most 1).
@@ -92,6 +95,7 @@ import heapq
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -593,21 +597,30 @@ class BudgetPolicy:
         lines = self.foretold_lines()  # once a plan: 64 sequences x 8 Q's each took 0.3 ms
         floors = (0.0, 0.0) if fixed_nodes else (self.node_floor(batch, (max(buckets) - 1) * batch),
                                                   self.draft_floor(batch, len(estimates)))
-        chosen = set(self._best_set(batch, fixed_drafting, fixed_nodes, buckets, {
-            i: self.foretell(e, lines) for i, e in enumerate(estimates) if i not in due}, context, floors))
+        chosen, known_rate = self._best(batch, fixed_drafting, fixed_nodes, buckets, {
+            i: self.foretell(e, lines) for i, e in enumerate(estimates) if i not in due}, context, floors)
+        chosen = set(chosen)
         for i, e in enumerate(estimates):  # what the probes of its last step came to
             if e.probed is not None and i not in due:
                 _fade_in(self._yield.setdefault(e.probed, [0.0, 0.0]), YIELD_DECAY, float(i in chosen), 1.0)
                 e.probed = None
         self._since_probe[band] = self._since_probe.get(band, 0) + 1
-        if not self.probing(batch):  # the due sequences wait (idle) for a band whose probes pay
+        hoped: list = []  # once priced: the best set were the due sequences' gains the best seen, and its rate
+
+        def hoped_best() -> tuple[list[int], float]:
+            if not hoped:
+                hopeful = {i: (self.hope if i in due else e.gain) for i, e in enumerate(estimates)}
+                hoped.append(self._best(batch, fixed_drafting, fixed_nodes, buckets, hopeful, context, floors))
+            return hoped[0]
+
+        worth = None if self.hope is None else lambda: hoped_best()[1] / max(known_rate, 1e-12) - 1.0
+        if due and not self.probing(batch, worth):  # the due sequences wait (idle) for a band whose probes pay
             due = set()
         if due and self.hope is not None and max(buckets) > 1 and self._overdue(batch):
             whole = {i: e.context for i, e in enumerate(estimates)}  # a probe pays its catch-up whole
             due = self._affordable(batch, fixed_drafting, fixed_nodes, due, whole)
         elif due and self.hope is not None:  # probe those that could pay, were they the best seen
-            hopeful = {i: (self.hope if i in due else e.gain) for i, e in enumerate(estimates)}
-            due &= set(self._best_set(batch, fixed_drafting, fixed_nodes, buckets, hopeful, context, floors))
+            due &= set(hoped_best()[0])
         self.probed = due
         if due:
             self._since_probe[band], self._since_probe_s[band] = 0, 0.0
@@ -671,17 +684,30 @@ class BudgetPolicy:
         drafted for its gains (1 at first)."""
         return _shrunk(self._yield.get(_band(batch), (0.0, 0.0)), 1.0, YIELD_PRIOR)
 
-    def probing(self, batch: int) -> bool:
+    def probing(self, batch: int, worth: Callable[[], float] | None = None) -> bool:
         """Whether a batch of `batch` sequences probes the sequences due: while its band's
         probes are followed by drafting (`probe_yield` >= MIN_YIELD), else once every EXPLORE
         steps, and only once the band's seconds since its last probe are that probe's net cost
-        over EXPLORE_SHARE. At 4 streams on the mixed prompts, 27-37 steps of ~250 drafted
+        over a share of them: what a probe is expected to return, `worth()` (how much the best
+        gains seen, were the due sequences' gains those, would raise the step's predicted rate,
+        relative) times `probe_yield`, between HOPELESS_SHARE and EXPLORE_SHARE (EXPLORE_SHARE
+        without `worth`). At 4 streams on the mixed prompts, 27-37 steps of ~250 drafted
         probes (52-66 tokens/s against plain steps' 68-78) and 3-4 drafted for their gains: the
         probes bought almost nothing and cost ~3% of the run, auto ran 0.93x plain. At 16
         streams, once every 32 steps, a probe of the due sequences (a new wave's, each with its
         whole prompt for the drafter to take in) took 225 ms where its tokens took 130 plain:
-        ~4% of the run."""
-        return self.probe_yield(batch) >= MIN_YIELD or self._explore(batch, EXPLORE_SHARE)
+        ~4% of the run. With EXPLORE_SHARE for every band, 16 streams still spent ~3% of their
+        decoding on probes (5 a pass, ~100 ms each against ~57 ms plain steps) where one
+        sequence found drafting adds a few per cent to a step of 16: auto ran 0.95-0.96x plain.
+        One stream, where it adds ~40%, keeps EXPLORE_SHARE (a share that fell with the yield
+        alone cost it more than it saved: run AG)."""
+        yield_ = self.probe_yield(batch)
+        if yield_ >= MIN_YIELD:
+            return True
+        if self._since_probe.get(_band(batch), 0) < EXPLORE:
+            return False
+        share = EXPLORE_SHARE if worth is None else min(EXPLORE_SHARE, max(HOPELESS_SHARE, worth() * yield_))
+        return self._explore(batch, share)
 
     def _overdue(self, batch: int) -> bool:
         """Whether `batch`'s band probes its due sequences even where the best gains seen say
@@ -728,12 +754,19 @@ class BudgetPolicy:
     def _best_set(self, batch: int, fixed_drafting: int, fixed_nodes: int, buckets: list[int],
                   gains: dict[int, dict[int, float]], context: dict[int, float] | None = None,
                   floors: tuple[float, float] = (0.0, 0.0)) -> list[int]:
+        """`_best`'s set alone."""
+        return self._best(batch, fixed_drafting, fixed_nodes, buckets, gains, context, floors)[0]
+
+    def _best(self, batch: int, fixed_drafting: int, fixed_nodes: int, buckets: list[int],
+              gains: dict[int, dict[int, float]], context: dict[int, float] | None = None,
+              floors: tuple[float, float] = (0.0, 0.0)) -> tuple[list[int], float]:
         """The sequences (keys of `gains`) whose drafting gives the highest predicted rate at
         the best Q: for each Q, the k with the largest gains, for every k; `context`: each
         one's rows for the drafter to take in (priced at `context_row_s`). `floors` (with no
         fixed budget's nodes: `node_floor` and `draft_floor`): a Q whose every gain is at most
         its Q - 1 nodes' floor and the draft's is passed over, as no set of it can beat the
-        plain step (at 64 streams the plan priced ~300 sets a step to draft at ~1% of them)."""
+        plain step (at 64 streams the plan priced ~300 sets a step to draft at ~1% of them).
+        Returns the set and its predicted rate (weighed by `tree_rate`)."""
         best, best_rate = [], -1.0
         seconds = self._step_time(batch, fixed_drafting, fixed_nodes)
         context = context or {}
@@ -754,7 +787,7 @@ class BudgetPolicy:
                 rate = tokens / max(seconds(q, k, rows), 1e-9) * (trees if k or fixed_nodes else 1.0)
                 if rate > best_rate:
                     best, best_rate = order[:k], rate
-        return best
+        return best, best_rate
 
     def node_floor(self, batch: int, most: int) -> float:
         """Packed rows: the expected accepted tokens a node must add for any set of up to `most`

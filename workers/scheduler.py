@@ -56,8 +56,7 @@ from .policy import BudgetPolicy, CostCurve, SequenceEstimate, by_bucket, measur
 # Verify row counts Q a step may use: a budget-2^k tree (2^k + 1 rows) fills its bucket exactly.
 VERIFY_BUCKETS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1025, 2049)
 # a sequence's target features since its last draft are kept as at most this many tensors (joined
-# when more): every step counts an auto sequence's rows for the policy, and one left plain for a
-# long reply would otherwise hold a tensor per step
+# when more): one left plain for a long reply would otherwise hold a tensor per step
 FEATURE_CHUNKS = 32
 # T(r) measured again mid-run (the live steps contradict it: BudgetPolicy.misfit) times the row
 # counts up to twice the step's rows, at least this many
@@ -132,6 +131,7 @@ class _Sequence:
     pages: list[int] = field(default_factory=list)  # block table in the KV pool
     length: int = 0  # positions of `context` in the pool (== len(context) once prefilled)
     features: list[torch.Tensor] = field(default_factory=list)  # [1, n, F] not yet given to the drafter
+    feature_rows: int = 0  # their n's summed: what its next draft takes in (the plan asks every step)
     drafting: bool = False  # the drafter holds a context cache for this sequence (set once prefilled)
     rounds: list[RoundStats] = field(default_factory=list)
     estimate: SequenceEstimate | None = None  # budget "auto": what the policy knows of this sequence
@@ -315,6 +315,7 @@ class Scheduler:
         seq.length = end
         if out.features is not None:
             seq.features.append(out.features)
+            seq.feature_rows += out.features.shape[1]
         if not seq.prefilled:
             seq.prefill_s += time.perf_counter() - t0
             return False
@@ -355,7 +356,7 @@ class Scheduler:
         q_floor = bucket(1 + max(granted))
         buckets = [q for q in VERIFY_BUCKETS if q_floor <= q <= q_max and q - 1 <= self.policy.cap] or [q_floor]
         # the target features each row would give the drafter to take in, were it to draft
-        pending = {b: sum(f.shape[1] for f in rows[b].features) for b in auto + fixed}
+        pending = {b: rows[b].feature_rows for b in auto + fixed}
         for b in auto:
             rows[b].estimate.context = pending[b]
             rows[b].estimate.remaining = rows[b].request.max_tokens - len(rows[b].output)
@@ -380,7 +381,7 @@ class Scheduler:
                 depths=[rows[b].estimate.draft_depth(granted[b]) if b in auto else granted[b] for b in drafting],
             ))
             for b, proposal in zip(drafting, proposals):
-                rows[b].features = []
+                rows[b].features, rows[b].feature_rows = [], 0
                 candidates[b] = proposal
         t1 = time.perf_counter()
         # where nothing drafts, a chain too improbable to pay alone is not built or priced
@@ -466,7 +467,8 @@ class Scheduler:
             self.pool.shrink(seq.pages, seq.length + 1)
             if kept_features is not None and (seq.budget != 0 or self.record_features):
                 seq.features.append(kept_features[b][None])
-                if len(seq.features) >= FEATURE_CHUNKS:  # an idle auto sequence's: counted every step
+                seq.feature_rows += n
+                if len(seq.features) >= FEATURE_CHUNKS:  # an idle auto sequence's: one tensor, not hundreds
                     seq.features = [torch.cat(seq.features, dim=1)]
             before = len(seq.output)
             if n > 1:
@@ -560,7 +562,7 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.release(seq.pages)
         self._stop_drafting(seq)
-        seq.length, seq.features = 0, []
+        seq.length, seq.features, seq.feature_rows = 0, [], 0
         seq.context = list(seq.request.prompt) + seq.output[:-1]
         self.waiting.appendleft(seq)
 
