@@ -1102,8 +1102,8 @@ def test_the_plan_passes_over_a_q_only_where_no_set_of_it_could_win():
         floors = policy.node_floor(batch, (max(buckets) - 1) * batch), policy.draft_floor(batch, batch)
         assert min(floors) > 0
         skipped += all(max(v[q] for v in gains.values()) <= floors[0] * (q - 1) + floors[1] for q in buckets[1:])
-        assert (policy._best_set(batch, 0, 0, buckets, gains, context, floors)
-                == policy._best_set(batch, 0, 0, buckets, gains, context)), (batch, scale)
+        assert (policy._best(batch, 0, 0, buckets, gains, context, floors)
+                == policy._best(batch, 0, 0, buckets, gains, context)), (batch, scale)
         most = int(torch.randint(1, 70, (1,), generator=g))
         brute = min(policy.draft.predict(k) / k for k in range(1, most + 1)) * policy._plain_rate(batch)
         assert policy.draft_floor(batch, most) == pytest.approx(brute, rel=1e-12)

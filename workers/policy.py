@@ -91,6 +91,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import functools
 import heapq
 import math
 import random
@@ -605,22 +606,20 @@ class BudgetPolicy:
                 _fade_in(self._yield.setdefault(e.probed, [0.0, 0.0]), YIELD_DECAY, float(i in chosen), 1.0)
                 e.probed = None
         self._since_probe[band] = self._since_probe.get(band, 0) + 1
-        hoped: list = []  # once priced: the best set were the due sequences' gains the best seen, and its rate
 
-        def hoped_best() -> tuple[list[int], float]:
-            if not hoped:
-                hopeful = {i: (self.hope if i in due else e.gain) for i, e in enumerate(estimates)}
-                hoped.append(self._best(batch, fixed_drafting, fixed_nodes, buckets, hopeful, context, floors))
-            return hoped[0]
+        @functools.cache  # priced once a plan, and only where asked
+        def hoped() -> tuple[list[int], float]:  # the best set were the due sequences' gains the best seen
+            hopeful = {i: (self.hope if i in due else e.gain) for i, e in enumerate(estimates)}
+            return self._best(batch, fixed_drafting, fixed_nodes, buckets, hopeful, context, floors)
 
-        worth = None if self.hope is None else lambda: hoped_best()[1] / max(known_rate, 1e-12) - 1.0
+        worth = None if self.hope is None else lambda: hoped()[1] / max(known_rate, 1e-12) - 1.0
         if due and not self.probing(batch, worth):  # the due sequences wait (idle) for a band whose probes pay
             due = set()
         if due and self.hope is not None and max(buckets) > 1 and self._overdue(batch):
             whole = {i: e.context for i, e in enumerate(estimates)}  # a probe pays its catch-up whole
             due = self._affordable(batch, fixed_drafting, fixed_nodes, due, whole)
         elif due and self.hope is not None:  # probe those that could pay, were they the best seen
-            due &= set(hoped_best()[0])
+            due &= set(hoped()[0])
         self.probed = due
         if due:
             self._since_probe[band], self._since_probe_s[band] = 0, 0.0
@@ -750,12 +749,6 @@ class BudgetPolicy:
         """The net cost of the last probe in batches of `batch`'s band: its step's seconds past
         what its tokens take at the predicted plain step's rate (0 before any, or when it paid)."""
         return self._probe_cost.get(_band(batch), 0.0)
-
-    def _best_set(self, batch: int, fixed_drafting: int, fixed_nodes: int, buckets: list[int],
-                  gains: dict[int, dict[int, float]], context: dict[int, float] | None = None,
-                  floors: tuple[float, float] = (0.0, 0.0)) -> list[int]:
-        """`_best`'s set alone."""
-        return self._best(batch, fixed_drafting, fixed_nodes, buckets, gains, context, floors)[0]
 
     def _best(self, batch: int, fixed_drafting: int, fixed_nodes: int, buckets: list[int],
               gains: dict[int, dict[int, float]], context: dict[int, float] | None = None,
