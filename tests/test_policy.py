@@ -12,7 +12,7 @@ import torch
 from ddtree.config import SamplingParams
 from ddtree.kernels.tree import Candidates, Lookup, build_tree, grow_tree
 from ddtree.workers.drafter import DFlashDrafter
-from ddtree.workers.policy import (DEPTH_MARGIN, EMA, EXPLORE, EXPLORE_SHARE, FIRST_PROBE, HOPELESS_SHARE, HORIZON,
+from ddtree.workers.policy import (DEPTH_MARGIN, DRAFT_FORGET, EMA, EXPLORE, EXPLORE_SHARE, FIRST_PROBE, HOPELESS_SHARE, HORIZON,
                                     MIN_DRAFT_DEPTH, MIN_YIELD, MISFIT_STEPS, PLAIN_REFRESH, PLAIN_SEEN, ROW_FACTOR_FLOOR,
                                     Acceptance,
                                     BudgetPolicy, CostCurve, TreeNodes, bin_of, by_bucket, tree_gains)
@@ -884,6 +884,37 @@ def test_a_band_where_the_best_gains_seen_add_little_probes_at_a_smaller_share()
     # the lean band's gaps grow as its yield falls (to ~1/6): 51, 54, 62, ... 113
     assert lean == sorted(lean) and len(lean) < 0.7 * len(rich), (lean, rich)
     assert all(g >= 2 * explore_gap for g in lean[-3:]), lean
+
+
+def test_a_drafter_cost_that_prices_its_count_out_does_not_stand_for_good():
+    """At 4 streams the drafter's pass over 4 sequences was learned at 30-38 ms during the
+    warm-up (its first passes at new shapes); the plan never drafted four together again, so
+    nothing corrected it, and drafting all four was priced at 92 tokens/s against the plain
+    step's 101 where it made ~109 (budget 4's passes over four took 17 ms): auto ran 0.93x budget
+    4. A count D(n) has not seen in DRAFT_FORGET drafts may no longer stand above the proportional
+    guess from the fresher count below it; a stale price that is low stays (it is chosen, and so
+    observed)."""
+    def plan_after(forget: bool) -> list[bool]:
+        policy = BudgetPolicy(CostCurve({4: 0.040, 8: 0.042, 20: 0.050}), packed=True)
+        if not forget:
+            policy.draft.forget_after = None
+        policy.draft.observe(1, 0.010)
+        policy.draft.observe(4, 0.032)  # the warm-up's
+        for _ in range(DRAFT_FORGET // 2 + 1):  # then passes over two and three sequences
+            policy.draft.observe(2, 0.015)
+            policy.draft.observe(3, 0.017)
+        estimates = [policy.sequence() for _ in range(4)]
+        for e in estimates:
+            e.gain, e.drafted = {1: 0.0, 5: 1.0}, 5
+        return policy.plan(4, 0, [1, 5], estimates)
+
+    assert plan_after(forget=False) == [True, True, True, False]  # D(4) 30 ms: three draft
+    assert plan_after(forget=True) == [True] * 4  # D(4) at most 17 x 4 / 3 ms: all four
+    cheap = CostCurve(forget_after=DRAFT_FORGET)
+    cheap.observe(4, 0.016)
+    for _ in range(DRAFT_FORGET + 1):
+        cheap.observe(2, 0.015)
+    assert cheap.predict(4) == pytest.approx(0.016)
 
 
 def test_the_drafters_context_rows_are_priced_apart_from_its_sequences():

@@ -149,6 +149,7 @@ DIP_TOLERANCE = 1.5  # a plausible T(r): no count's forward takes under 1 / this
 DIP_JITTER_S = 0.003  # ... less this many seconds, a shared 2-core machine's scheduling jitter
 RATE_DECAY = 0.97  # per step of its kind, a band's realized / predicted rates fade by this ...
 RATE_PRIOR = 8.0  # ... and start at 1 as if this many steps had been predicted exactly
+DRAFT_FORGET = 64  # a count of drafting sequences D(n) has not seen in this many drafts may not stay dear (`CostCurve._forget`)
 
 
 class CostCurve:
@@ -163,8 +164,14 @@ class CostCurve:
     sequences pulled point 17 the other way; T(16) never settled, so at 16 streams plain decoding
     looked 5% dearer than it ran and `budget: auto` granted trees that lost 4-6% to it."""
 
-    def __init__(self, points: dict[int, float] | None = None):
+    def __init__(self, points: dict[int, float] | None = None, forget_after: int | None = None):
         self.points: dict[int, float] = dict(sorted((points or {}).items()))
+        # with `forget_after`: a point not observed in that many observations of the curve is
+        # dropped where it stands above the proportional guess from the freshest point below it
+        # (`_forget`); the observations so far, and each point's last
+        self.forget_after = forget_after
+        self.observed = 0
+        self.last_seen: dict[int, int] = {}
 
     def __bool__(self) -> bool:
         return bool(self.points)
@@ -189,6 +196,27 @@ class CostCurve:
         return (1 - w) * self.points[lo] + w * self.points[hi]
 
     def observe(self, size: int, seconds: float) -> None:
+        self.observed += 1
+        self.last_seen[size] = self.observed
+        self._observe(size, seconds)
+        if self.forget_after is not None:
+            self._forget()
+
+    def _forget(self) -> None:
+        """Drops the stale points (not observed in `forget_after` observations) that stand above
+        the proportional guess from the nearest fresh point below them. A point priced too high
+        is never corrected where its price keeps that size from being chosen: the drafter's pass
+        over 4 sequences, learned at 30-38 ms from the warm-up's first passes at new shapes,
+        priced drafting all four of a 4-stream batch out for good, where budget 4's passes took
+        17 ms (a point priced too low is chosen, and so observed, and so corrected)."""
+        fresh = None
+        for size in list(self.points):
+            if self.observed - self.last_seen.get(size, 0) <= self.forget_after:
+                fresh = size
+            elif fresh is not None and self.points[size] > self.points[fresh] * size / fresh:
+                del self.points[size]
+
+    def _observe(self, size: int, seconds: float) -> None:
         if size in self.points:
             self.points[size] += EMA * (seconds - self.points[size])
             return
@@ -389,7 +417,7 @@ class BudgetPolicy:
         # the curve mispredicted by over MISFIT (`misfit`); `recalibrations`: re-measurements so far
         self.recalibrations = 0
         self.calibrate(step_cost or CostCurve())  # verify, shape, _extra, _plain_seen, misfits
-        self.draft = CostCurve()  # D(n), the context rows' part taken out ...
+        self.draft = CostCurve(forget_after=DRAFT_FORGET)  # D(n), the context rows' part taken out ...
         self.context_row_s = 0.0  # ... c: seconds per context row, from drafts that took in many (`observe_step`)
         # the drafter's first pass in a process runs cold (it builds its draft-vocabulary head,
         # allocates its buffers): 69 ms against ~10 warm for SmolLM2's drafter here. Taken as
