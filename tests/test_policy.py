@@ -589,6 +589,25 @@ def test_an_auto_sequence_drafts_only_as_deep_as_its_trees_reach():
     assert estimate.draft_depth(15) == 15 and estimate.draft_depth(2) == 2
 
 
+def test_the_plan_prices_the_feature_rows_each_draft_will_take_in(tiny_checkpoint):
+    """The plan sums the target features an auto sequence has gathered since its last draft
+    (its whole prompt when new, every token since when idle) at every step; summing the tensors
+    each step cost ~130k generator steps a pass at 64 streams, so a sequence now keeps the count.
+    Every step, for every sequence, the count is the rows its pending features hold."""
+    hf, target, _ = tiny_checkpoint("llama", 97)
+    drafter = DFlashDrafter.untrained(target, block_size=8, seed=3)
+    scheduler = Scheduler.local(target, drafter, "auto", BatchLimits(max_num_seqs=3, max_step_tokens=3 * 17))
+    for prompt in ([5, 6, 7], [9, 4, 2, 8, 8], [3]):
+        scheduler.add(Request(prompt, 20))
+    checked = 0
+    while scheduler.has_work:
+        scheduler.step()
+        for seq in scheduler.running:
+            assert seq.feature_rows == sum(f.shape[1] for f in seq.features), seq.id
+            checked += 1
+    assert checked > 20
+
+
 def test_the_scheduler_asks_the_drafter_for_the_depths_the_policy_sets(tiny_checkpoint):
     """End to end: under flat costs (wide trees pay) every auto draft after a sequence's first
     asks the drafter for its estimate's depths, and the output is plain decoding's."""

@@ -96,11 +96,12 @@ class LookupCalibration:
             bases = [PRIOR[min(ngram, MAX_NGRAM)]] * depths
         hits, trials = self.hits.get(ngram, ()), self.trials.get(ngram, ())
         seen = len(trials)
-        return [((hits[i] if i < seen else 0.0) + PRIOR_WEIGHT * base) / ((trials[i] if i < seen else 0.0) + PRIOR_WEIGHT)
-                for i, base in enumerate(bases)]
+        return [((hits[i] if i < seen else 0.0) + PRIOR_WEIGHT * base)
+                / ((trials[i] if i < seen else 0.0) + PRIOR_WEIGHT) for i, base in enumerate(bases)]
 
     def branch(self, tokens: list[int], ngram: int) -> Lookup:
-        return Lookup(tokens, [math.log(max(p, LEAST_PROBABILITY)) for p in self.probabilities(ngram, len(tokens))], ngram)
+        probabilities = self.probabilities(ngram, len(tokens))
+        return Lookup(tokens, [math.log(max(p, LEAST_PROBABILITY)) for p in probabilities], ngram)
 
     def observe(self, ngram: int, offered: int, followed: int) -> None:
         """One round: the chain's nodes at depths 1 ... `offered` were in the tree and the
