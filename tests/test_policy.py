@@ -205,11 +205,9 @@ def test_packed_rows_learn_what_a_node_costs_in_the_batch():
     assert policy.verify.predict(5) == pytest.approx(0.040, rel=0.01)
     assert 1.35 < policy.row_factor(5) < 1.5  # towards 1.5; the prior (0.05 s at 1) still weighs in
     assert policy.shape.points == calibrated  # the live steps leave the calibrated shape alone
-    # 4 nodes add ~1.45 x 14 ms; one node, a size the band has not verified, the curve's 3.5 ms
-    # (the band's factor is dearer): granted where its expected gain beats 5 tokens / 40 ms of it
-    assert policy.verify_s(5, 5, 4) == pytest.approx(0.040 + policy.row_factor(5, 4) * 0.014)
-    assert policy.choose(5, [1, 2], [[0.0, 0.4]], draft_s=0.0).nodes == [0]
-    assert policy.choose(5, [1, 2], [[0.0, 0.5]], draft_s=0.0).nodes == [1]
+    # one node adds ~1.45 x 3.5 ms: granted where its expected gain beats 5 tokens / 40 ms of it
+    assert policy.choose(5, [1, 2], [[0.0, 0.6]], draft_s=0.0).nodes == [0]
+    assert policy.choose(5, [1, 2], [[0.0, 0.7]], draft_s=0.0).nodes == [1]
 
 
 def test_a_row_factor_learnt_on_one_sequence_does_not_price_a_batchs_nodes():
@@ -813,16 +811,9 @@ def test_the_row_factor_learns_each_tree_size_apart():
     assert policy.row_factor(1, 2) == pytest.approx(0.2, abs=0.1)
     assert policy.row_factor(1, 20) == pytest.approx(1.2, abs=0.05)
     assert policy.node_rows_s(1, 2) == pytest.approx(0.001, abs=0.0005)
-    # a size not seen yet starts from the band's factor (over both sizes), or from the calibrated
-    # curve where the band's is dearer: a price too high would keep that size from being tried
+    # a size not seen yet starts from the band's factor (over both sizes)
+    assert policy.row_factor(1, 5) == pytest.approx(policy.row_factor(1), rel=0.05)
     assert policy.row_factor(1, 2) < policy.row_factor(1) < policy.row_factor(1, 20)
-    assert policy.row_factor(1) > 1.0 and policy.row_factor(1, 5) == pytest.approx(1.0, rel=0.05)
-    cheap = BudgetPolicy(packed=True)
-    cheap.calibrate(CostCurve({1: 0.040, 5: 0.050, 9: 0.070, 17: 0.100, 33: 0.160}))
-    for _ in range(100):
-        cheap.observe_step(1, 1, 0.040, 0, 0.0, 0.0)
-        cheap.observe_step(1, 3, 0.041, 1, 0.0, 0.0, nodes=2)  # the band learns 0.2
-    assert cheap.row_factor(1) < 0.5 and cheap.row_factor(1, 5) == pytest.approx(cheap.row_factor(1), rel=0.05)
 
 
 def _probe_steps(policy: BudgetPolicy, gain_after: dict[int, float], steps: int = 200,

@@ -564,17 +564,12 @@ class BudgetPolicy:
         rows ride the GEMM's register tiles), and auto granted 10-22-node trees at 4 streams
         that lost 13% to budget 4. One factor for every tree size, at one stream, priced 1-3
         nodes 7 ms dearer than they ran and 16 or more 9 ms cheaper: the calibrated curve's
-        shape is not the live steps'. A size the band has not verified starts from the band's
-        factor where that is at most 1, else from the calibrated curve (1): at 4 streams the
-        band's 1.32, learned from 1-9-node lookup trees whose first rows the curve prices nearly
-        free, priced 16 nodes at 26 ms where they took 19.5, and a price too high is never
-        corrected where it keeps that size from being chosen (auto drafted all four sequences
-        seldom, where budget 4 ran 1.05-1.11x plain)."""
+        shape is not the live steps'."""
         factor = max(ROW_FACTOR_FLOOR, _shrunk(self._extra.get(_band(batch), (0.0, 0.0)), 1.0, ROW_PRIOR_S))
         if nodes is None:
             return factor
-        return max(ROW_FACTOR_FLOOR, _shrunk(self._extra.get((_band(batch), _size(nodes)), (0.0, 0.0)),
-                                             min(factor, 1.0), SIZE_ROW_PRIOR_S))
+        return max(ROW_FACTOR_FLOOR,
+                   _shrunk(self._extra.get((_band(batch), _size(nodes)), (0.0, 0.0)), factor, SIZE_ROW_PRIOR_S))
 
     def _step_time(self, batch: int, fixed_drafting: int, fixed_nodes: int):
         """seconds(q, k, context): a step of `batch` sequences in which `k` auto sequences fill
