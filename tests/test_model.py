@@ -222,3 +222,28 @@ def test_fused_projections_follow_the_weights_they_were_made_of(tmp_path):
     ours.to(torch.float64)
     assert torch.equal(our_logits(ours, ids).logits, our_logits(as64, ids).logits)
     assert sorted(ours.state_dict()) == sorted(fresh.state_dict())  # the checkpoint's names, unchanged
+
+
+def test_a_features_only_forward_stops_after_the_last_captured_layer(tmp_path):
+    """The data stage wants a prefill's captured features and nothing after them: a
+    `features_only` forward runs the layers up to the last captured one (SmolLM2's layers 1, 14,
+    27 of 30: the last two and the LM head were computed for nothing) and gives those layers'
+    outputs exactly as the full forward does."""
+    make_hf_model("llama").to(torch.float32).save_pretrained(tmp_path)
+    model = load_target_weights(tmp_path, torch.float32)
+    layers = len(model.model.layers)
+    assert layers >= 2  # else no layer follows the captured one
+    ran = []
+    for i, layer in enumerate(model.model.layers):
+        layer.register_forward_hook(lambda *_, i=i: ran.append(i))
+    ids = torch.randint(0, 97, (1, 11), generator=torch.Generator().manual_seed(5))
+    full = our_logits(model, ids, capture=(0,))
+    assert ran == list(range(layers))
+    ran.clear()
+    n = ids.shape[1]
+    part = model(ids, torch.arange(n)[None], model.prefill_mask(n), model.new_cache(1, n), capture_layers=(0,),
+                 features_only=True)
+    assert ran == [0] and part.logits is None
+    assert torch.equal(part.features, full.features)
+    with pytest.raises(ValueError, match="capture_layers"):
+        model(ids, torch.arange(n)[None], model.prefill_mask(n), model.new_cache(1, n), features_only=True)

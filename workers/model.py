@@ -685,7 +685,8 @@ class SingleProcess:
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor  # [B, Q_keep, V] (the last Q_keep rows; a shard: its vocabulary slice); packed: [N, V]
+    # [B, Q_keep, V] (the last Q_keep rows; a shard: its vocabulary slice); packed: [N, V]; None: features only
+    logits: torch.Tensor | None
     features: torch.Tensor | None  # [B, Q, len(capture_layers) * H], outputs of those layers
     packing: Packing | None = None  # a packed forward's real rows (its logits are theirs alone)
 
@@ -737,13 +738,19 @@ class TargetModel(nn.Module):
         logits_to_keep: int = 0,  # 0 = every row
         rows: torch.Tensor | None = None,  # [B] int64: real rows per block, the rest padding (see Packing)
         resume: tuple[int, torch.Tensor] | None = None,  # (L, [B, Q, H] layer L's output): run the layers after L
+        features_only: bool = False,  # stop after the last of `capture_layers`: no logits
     ) -> ForwardOutput:
         """Runs the block over the committed prefix in `cache` and writes the block's keys and
         values at slots lengths[b] ... lengths[b] + Q - 1. It does not advance `lengths`: the
         caller commits what it keeps (see kernels.tree.compact_kv). With `rows` (every row kept,
         logits_to_keep 0), the padding rows are not computed: the logits come back packed.
         With `resume`, the block starts from layer L's recorded outputs (e.g. features the data
-        stage captured) and only the later layers run: the cache holds those layers alone."""
+        stage captured) and only the later layers run: the cache holds those layers alone. With
+        `features_only`, the layers after the last captured one and the LM head do not run (the
+        data stage: SmolLM2's features of layers 1, 14 and 27 skip 2 of its 30 layers) and the
+        cache holds the layers that ran alone."""
+        if features_only and not capture_layers:
+            raise ValueError("features_only needs capture_layers")
         b, q_len = tokens.shape
         packing = None
         if rows is not None:
@@ -765,8 +772,12 @@ class TargetModel(nn.Module):
             x = layer(x, cos, sin, i, view, self.parallel.all_reduce, packing)
             if i in capture_layers:
                 captured.append((capture_layers.index(i), x if packing is None else packing.unpack(x)))
-        keep = x[:, -logits_to_keep:] if logits_to_keep else x
-        logits = self.lm_head(self.model.norm(keep))
+            if features_only and i == max(capture_layers):
+                break
+        logits = None
+        if not features_only:
+            keep = x[:, -logits_to_keep:] if logits_to_keep else x
+            logits = self.lm_head(self.model.norm(keep))
         features = torch.cat([t for _, t in sorted(captured, key=lambda p: p[0])], dim=-1) if captured else None
         return ForwardOutput(logits=logits, features=features, packing=packing)
 

@@ -293,7 +293,7 @@ def export_tokens(workdir: Path, path: Path) -> dict:
 def stage_features(target: LoadedTarget, workdir: Path, tokens_file: Path, layer_ids, per_shard: int = 256) -> int:
     """The data stage from token ids alone (a tokens file as `export_tokens` writes it: tokens,
     offsets [S+1], response_starts [S]): each sequence's features recomputed with
-    one prefill of the target, into shards of `per_shard` sequences in the data stage's format
+    one prefill of the target (up to the last captured layer), into shards of `per_shard` sequences in the data stage's format
     (resumable: finished shards stay). A prefill's features are the ones decoding recorded, up to
     fp32 summation order. Returns the sequences written."""
     check_target_layer_ids(layer_ids, target.model.config.num_hidden_layers)
@@ -312,7 +312,7 @@ def stage_features(target: LoadedTarget, workdir: Path, tokens_file: Path, layer
             n = len(seq)
             on = seq.to(model.device)
             out = model(on[None], torch.arange(n, device=model.device)[None], model.prefill_mask(n),
-                        model.new_cache(1, n), capture_layers=tuple(layer_ids), logits_to_keep=1)
+                        model.new_cache(1, n), capture_layers=tuple(layer_ids), features_only=True)
             tokens.append(seq)
             features.append(out.features[0].to("cpu", torch.float16))
         write_shard(path, tokens, features, starts[first:first + len(tokens)])
