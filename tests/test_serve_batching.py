@@ -26,13 +26,15 @@ WAIT_S = 60  # bound on polling for something that happens within a step or a me
 
 @pytest.fixture(scope="module")
 def slow_chat_model(tiny_chat_model, tmp_path_factory):
-    """A wider random llama (hidden 512, 20 layers) with SmolLM2's tokenizer: steps slow enough
-    that a 400-token completion is still running when its client goes away. (With 10 layers and
-    the AVX-512 GEMMs, a full `make test` once saw all 400 tokens finish before the hang-up
-    reached the engine: no cancellation counted.)"""
+    """A wider random llama (hidden 512, 20 layers, 1024 positions) with SmolLM2's tokenizer:
+    steps slow enough that a 960-token completion is still running when its client goes away.
+    (With 10 layers and the AVX-512 GEMMs, a full `make test` once saw all 400 tokens of the
+    completion then asked for finish before the hang-up reached the engine: no cancellation
+    counted; with 20 layers, once more on the AVX2 machine. A longer completion widens the
+    margin without slowing the test: a cancelled one stops at once.)"""
     directory = tmp_path_factory.mktemp("slow-chat")
     hf = make_hf_model("llama", vocab=49152, layers=20, hidden_size=512, intermediate_size=2048,
-                       num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=512)
+                       num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=1024)
     hf.to(torch.float32).save_pretrained(directory)
     copy_tokenizer(tiny_chat_model, directory)
     return directory
@@ -85,12 +87,12 @@ def wait_until_idle(engine) -> None:
 
 
 def test_a_client_that_leaves_frees_its_sequence(small_engine):
-    """A streaming client reads one chunk of a 400-token completion and hangs up: the engine
+    """A streaming client reads one chunk of a 960-token completion and hangs up: the engine
     cancels its sequence (it leaves at the next step; its pages go back) -- the running-requests
     metric returns to 0 and the scheduler counts a cancellation, not a completion."""
     engine = small_engine["engine"]
     before = engine.batch_stats.remote().result()
-    body = {"model": "small-engine", "messages": CHAT_SAMPLE, "max_tokens": 400, "temperature": 0, "stream": True}
+    body = {"model": "small-engine", "messages": CHAT_SAMPLE, "max_tokens": 960, "temperature": 0, "stream": True}
     with httpx.Client(timeout=60) as http:
         with http.stream("POST", small_engine["base"] + "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
