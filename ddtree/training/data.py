@@ -292,10 +292,10 @@ def export_tokens(workdir: Path, path: Path) -> dict:
 
 def stage_features(target: LoadedTarget, workdir: Path, tokens_file: Path, layer_ids, per_shard: int = 256) -> int:
     """The data stage from token ids alone (a tokens file as `export_tokens` writes it: tokens,
-    offsets [S+1], response_starts [S]): each sequence's features recomputed with
-    one prefill of the target (up to the last captured layer), into shards of `per_shard` sequences in the data stage's format
-    (resumable: finished shards stay). A prefill's features are the ones decoding recorded, up to
-    fp32 summation order. Returns the sequences written."""
+    offsets [S+1], response_starts [S]): each sequence's features recomputed with one prefill of
+    the target (up to the last captured layer), into shards of `per_shard` sequences in the data
+    stage's format (resumable: finished shards stay). A prefill's features are the ones decoding
+    recorded, up to fp32 summation order. Returns the sequences written."""
     check_target_layer_ids(layer_ids, target.model.config.num_hidden_layers)
     data = workdir / "data"
     data.mkdir(parents=True, exist_ok=True)
