@@ -765,14 +765,14 @@ class TargetModel(nn.Module):
             first, x = 0, self.parallel.embed(self.model.embed_tokens, tokens if packing is None else packing.pack(tokens))
         else:
             first, x = resume[0] + 1, resume[1].to(self.dtype)
-        captured = []
+        captured, last = [], max(capture_layers) if features_only else None
         for i, layer in enumerate(self.model.layers):
             if i < first:
                 continue
             x = layer(x, cos, sin, i, view, self.parallel.all_reduce, packing)
             if i in capture_layers:
                 captured.append((capture_layers.index(i), x if packing is None else packing.unpack(x)))
-            if features_only and i == max(capture_layers):
+            if i == last:
                 break
         logits = None
         if not features_only:
