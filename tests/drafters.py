@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from ddtree.kernels.tree import Candidates
+
 
 class OracleDrafter:
     """Proposes, for depth d below the bonus at position `start`, a distribution peaked on the
@@ -26,6 +28,10 @@ class OracleDrafter:
 
     def draft_rows(self, caches, features, bonus, start, depths=None):
         return self.draft(None, None, bonus, start)  # every depth: the caller reads the first `depths`
+
+    def candidates(self, caches, features, bonus, start, depths, top_k):
+        logprobs = self.draft(None, None, bonus, start)
+        return [Candidates.top_k(logprobs[r, :d], k) for r, (d, k) in enumerate(zip(depths, top_k))]
 
     def draft(self, cache, features, bonus, start):
         depths = self.block_size - 1

@@ -272,6 +272,35 @@ def test_drafting_only_the_reachable_depths_changes_no_tree(tiny_checkpoint):
             assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents), (r, nodes)
 
 
+@pytest.mark.parametrize("draft_vocab", [False, True])
+def test_each_rows_own_depths_give_the_candidates_of_the_whole_draft(tiny_checkpoint, draft_vocab):
+    """The batch drafter asks each row for its own depths (`DFlashDrafter.candidates`): the head
+    runs over those rows alone, packed, and the top-k is taken over the draft vocabulary before
+    its ids become token ids. Before, every row ran the head for the deepest row's depths and
+    the top-k read a [R, D, V] tensor, -inf outside the draft vocabulary. Each row's candidates
+    are bitwise those of the whole-block draft's log-probs (fp32: the CPU GEMM computes each row
+    alone), token ids included, and equal values rank by token id as before."""
+    from ddtree.kernels.tree import Candidates
+    from ddtree.workers.loading import load_target_weights
+
+    target = load_target_weights(tiny_checkpoint("llama", 97)[2], torch.float32)
+    drafter = DFlashDrafter.untrained(target, block_size=8, seed=5)
+    if draft_vocab:  # a draft vocabulary of every third id: compact index != token id
+        drafter.set_draft_vocab(torch.arange(1, target.config.vocab_size, 3))
+    torch.manual_seed(2)
+    width = len(drafter.target_layer_ids) * target.config.hidden_size
+    feats = [torch.randn(1, n, width) for n in (4, 2, 3)]
+    bonus, start = torch.tensor([11, 12, 13]), torch.tensor([4, 2, 3])
+    depths, top_k = [2, 7, 4], [3, 5, 1]
+    whole = drafter.draft_rows([drafter.new_cache(1, 32) for _ in feats], feats, bonus, start)
+    found = drafter.candidates([drafter.new_cache(1, 32) for _ in feats], feats, bonus, start, depths, top_k)
+    for r, (d, k) in enumerate(zip(depths, top_k)):
+        assert found[r] == Candidates.top_k(whole[r, :d], k), r
+        assert len(found[r].tokens) == d and all(len(t) == k for t in found[r].tokens)
+    if draft_vocab:
+        assert all(t % 3 == 1 for c in found for ts in c.tokens for t in ts)
+
+
 @pytest.mark.smollm2
 def test_a_smollm2_batch_gives_plain_decoding_up_to_near_ties(smollm2):
     """SmolLM2 fp32 with the shipped drafter: 6 vicuna prompts, greedy and seeded, budgets

@@ -23,7 +23,6 @@ from typing import Protocol
 import torch
 
 from ..config import SamplingParams
-from ..kernels.batched import top_k_candidates
 from ..kernels.tree import Candidates
 from .kv_pool import KVStorage
 from .model import TargetModel, TreeBits, packs_rows
@@ -78,7 +77,7 @@ class DraftRows:
     start: list[int]  # per sequence: the bonus's position (= its context length after the features)
     top_k: list[int]  # per sequence: candidates kept per depth
     # per sequence: the deepest drafted depth its tree can use (a tree of n drafted nodes reaches
-    # depth n at most); the drafter's head and log-softmax run for the deepest of them only
+    # depth n at most); the drafter's head and log-softmax run for each sequence's own depths only
     depths: list[int] | None = None  # None: every depth of the block
 
 
@@ -151,9 +150,8 @@ class LocalBatchDrafter:
 
     def propose(self, rows: DraftRows) -> list[Candidates]:
         depths = rows.depths or [self.block_size - 1] * len(rows.ids)
-        logprobs = self.proposer.draft_rows([self.caches[i] for i in rows.ids], rows.features,
-                                            torch.tensor(rows.bonus), torch.tensor(rows.start), depths=max(depths))
-        return [top_k_candidates(logprobs[r, :d], k) for r, (k, d) in enumerate(zip(rows.top_k, depths))]
+        return self.proposer.candidates([self.caches[i] for i in rows.ids], rows.features, torch.tensor(rows.bonus),
+                                        torch.tensor(rows.start), depths, rows.top_k)
 
     def close(self, seq_id: int) -> None:
         self.caches.pop(seq_id, None)

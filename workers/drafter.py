@@ -40,6 +40,8 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from ..kernels.batched import top_k_candidates
+from ..kernels.tree import Candidates
 from .loading import read_safetensors_dir
 from .model import (
     MLP, KVCache, Linear, RMSNorm, TargetModel, apply_rope, attend, read_rope, require_full_attention, rope_cos_sin, rope_inv_freq,
@@ -65,6 +67,12 @@ class Proposer(Protocol):
         """`draft` for R sequences at once, each with its own one-row cache and features
         [1, n_r, F] -> log-probs [R, B_blk - 1, V]; with `depths`, at least the first `depths`
         of them (the rest may be left out)."""
+        ...
+
+    def candidates(self, caches: list, features: list[torch.Tensor], bonus: torch.Tensor, start: torch.Tensor,
+                   depths: list[int], top_k: list[int]) -> list[Candidates]:
+        """`draft_rows`, then per row r the top_k[r] candidates (`top_k_candidates`) of its first
+        depths[r] depths: what the batch drafter hands the trees."""
         ...
 
 
@@ -502,6 +510,36 @@ class DFlashDrafter(nn.Module):
         the head and log-softmax run for the first `depths` positions only -> [R, depths, V]:
         a tree of n nodes reaches depth n at most (with the shipped 8-token block at budget 4,
         a draft pass 12.4-13.5 ms against 15.4 over native weights on the 2-core CPU)."""
+        x = self._rows_hidden(caches, features, bonus, start)
+        last = x.shape[1] if depths is None else min(x.shape[1], 1 + depths)
+        logprobs = torch.log_softmax(self.head(x[:, 1:last]).double(), dim=-1)
+        return self._to_vocab(logprobs)
+
+    @torch.inference_mode()
+    def candidates(self, caches: list[KVCache], features: list[torch.Tensor], bonus, start,
+                   depths: list[int], top_k: list[int]) -> list[Candidates]:
+        """`draft_rows` and each row's top_k[r] per depth (`top_k_candidates`), for row r's own
+        first depths[r] positions: the head and log-softmax run over those rows alone, packed,
+        and the top-k is taken over the draft vocabulary before its ids become token ids (sorted
+        ids: equal values still rank by token id), never over a [R, D, V] tensor of -inf. At 4
+        streams `budget: auto`'s rows asked 4-7 depths each and the pass ran the head for the
+        deepest of them on every row."""
+        x = self._rows_hidden(caches, features, bonus, start)
+        depths = [max(0, min(d, x.shape[1] - 1)) for d in depths]
+        rows = torch.cat([x[r, 1:1 + d] for r, d in enumerate(depths)])
+        logprobs = torch.log_softmax(self.head(rows).double(), dim=-1).split(depths)
+        vocab = self.draft_vocab.cpu() if self.draft_vocab is not None else None
+        out = []
+        for lp, k in zip(logprobs, top_k):
+            found = top_k_candidates(lp, k)
+            if vocab is not None and found.tokens:
+                found = Candidates(found.logprobs, vocab[torch.tensor(found.tokens)].tolist())
+            out.append(found)
+        return out
+
+    def _rows_hidden(self, caches: list[KVCache], features: list[torch.Tensor], bonus, start) -> torch.Tensor:
+        """The final hidden states [R, B_blk, H] of `draft_rows`' pass; appends each row's new
+        context to its cache."""
         dev = self.fc.weight.device
         counts = [f.shape[1] for f in features]
         for cache, n, at in zip(caches, counts, start.tolist()):
@@ -512,9 +550,7 @@ class DFlashDrafter(nn.Module):
         x = self._run(torch.cat(features, dim=1).to(dev), bonus, start, ctx_pos, RowCaches(caches, counts))
         for cache, n in zip(caches, counts):
             cache.lengths += n
-        last = x.shape[1] if depths is None else min(x.shape[1], 1 + depths)
-        logprobs = torch.log_softmax(self.head(x[:, 1:last]).double(), dim=-1)
-        return self._to_vocab(logprobs)
+        return x
 
     @torch.inference_mode()
     def draft(self, cache: KVCache, features, bonus, start) -> torch.Tensor:
