@@ -26,9 +26,6 @@ class OracleDrafter:
     def new_cache(self, batch: int, slots: int):
         return None
 
-    def draft_rows(self, caches, features, bonus, start, depths=None):
-        return self.draft(None, None, bonus, start)  # every depth: the caller reads the first `depths`
-
     def candidates(self, caches, features, bonus, start, depths, top_k):
         logprobs = self.draft(None, None, bonus, start)
         return [Candidates.top_k(logprobs[r, :d], k) for r, (d, k) in enumerate(zip(depths, top_k))]

@@ -272,14 +272,15 @@ def test_drafting_only_the_reachable_depths_changes_no_tree(tiny_checkpoint):
             assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents), (r, nodes)
 
 
-@pytest.mark.parametrize("draft_vocab", [False, True])
-def test_each_rows_own_depths_give_the_candidates_of_the_whole_draft(tiny_checkpoint, draft_vocab):
+@pytest.mark.parametrize("draft_vocab, tied", [(False, False), (True, False), (True, True)])
+def test_each_rows_own_depths_give_the_candidates_of_the_whole_draft(tiny_checkpoint, draft_vocab, tied):
     """The batch drafter asks each row for its own depths (`DFlashDrafter.candidates`): the head
     runs over those rows alone, packed, and the top-k is taken over the draft vocabulary before
     its ids become token ids. Before, every row ran the head for the deepest row's depths and
     the top-k read a [R, D, V] tensor, -inf outside the draft vocabulary. Each row's candidates
     are bitwise those of the whole-block draft's log-probs (fp32: the CPU GEMM computes each row
-    alone), token ids included, and equal values rank by token id as before."""
+    alone), token ids included, and equal values rank by token id as before (`tied`: every draft-
+    vocabulary row of the LM head the same, so every candidate ties and the k smallest ids win)."""
     from ddtree.kernels.tree import Candidates
     from ddtree.workers.loading import load_target_weights
 
@@ -287,6 +288,9 @@ def test_each_rows_own_depths_give_the_candidates_of_the_whole_draft(tiny_checkp
     drafter = DFlashDrafter.untrained(target, block_size=8, seed=5)
     if draft_vocab:  # a draft vocabulary of every third id: compact index != token id
         drafter.set_draft_vocab(torch.arange(1, target.config.vocab_size, 3))
+    if tied:
+        with torch.no_grad():
+            target.lm_head.weight[1::3] = target.lm_head.weight[1]
     torch.manual_seed(2)
     width = len(drafter.target_layer_ids) * target.config.hidden_size
     feats = [torch.randn(1, n, width) for n in (4, 2, 3)]
@@ -299,6 +303,8 @@ def test_each_rows_own_depths_give_the_candidates_of_the_whole_draft(tiny_checkp
         assert len(found[r].tokens) == d and all(len(t) == k for t in found[r].tokens)
     if draft_vocab:
         assert all(t % 3 == 1 for c in found for ts in c.tokens for t in ts)
+    if tied:
+        assert all(ts == list(range(1, 3 * k, 3)) for c, k in zip(found, top_k) for ts in c.tokens)
 
 
 @pytest.mark.smollm2

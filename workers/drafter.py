@@ -62,17 +62,11 @@ class Proposer(Protocol):
         bonus. Returns log-probs [B, B_blk - 1, V] for positions start + 1 ... start + B_blk - 1."""
         ...
 
-    def draft_rows(self, caches: list, features: list[torch.Tensor], bonus: torch.Tensor, start: torch.Tensor,
-                   depths: int | None = None) -> torch.Tensor:
-        """`draft` for R sequences at once, each with its own one-row cache and features
-        [1, n_r, F] -> log-probs [R, B_blk - 1, V]; with `depths`, at least the first `depths`
-        of them (the rest may be left out)."""
-        ...
-
     def candidates(self, caches: list, features: list[torch.Tensor], bonus: torch.Tensor, start: torch.Tensor,
                    depths: list[int], top_k: list[int]) -> list[Candidates]:
-        """`draft_rows`, then per row r the top_k[r] candidates (`top_k_candidates`) of its first
-        depths[r] depths: what the batch drafter hands the trees."""
+        """`draft` for R sequences at once, each with its own one-row cache and features
+        [1, n_r, F], reduced to what the batch drafter hands the trees: per row r the top_k[r]
+        candidates (`top_k_candidates`) of each of its first depths[r] depths."""
         ...
 
 
