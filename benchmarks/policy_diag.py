@@ -103,7 +103,7 @@ def main() -> None:
                   + " / ".join(f"{policy.tree_rate(b):.2f}" for b in (1, 4, 16, 64)))
             print("  | B | nodes | drafted (why) | steps | verify ms | draft ms | rest ms | accepted | tokens/s |")
             for (batch, nodes, drafted), v in sorted(groups.items(), key=lambda kv: (kv[0][0], ORDER.index(kv[0][1]), kv[0][2])):
-                if len(v) < 3 and drafted == "-":  # the drafted steps are few and each worth seeing
+                if len(v) < 3 and drafted == "-" and nodes == "0":  # the steps with trees are few and each worth seeing
                     continue
                 pair = lambda i: f"{med(x[i] for x in v) * 1e3:.1f} / {med(x[i + 1] for x in v) * 1e3:.1f}"  # noqa: E731
                 seconds = sum(x[1] + x[3] + x[5] for x in v)
