@@ -1158,3 +1158,93 @@ def test_the_plan_passes_over_a_q_only_where_no_set_of_it_could_win():
         brute = min(policy.draft.predict(k) / k for k in range(1, most + 1)) * policy._plain_rate(batch)
         assert policy.draft_floor(batch, most) == pytest.approx(brute, rel=1e-12)
     assert skipped > 0
+
+
+def test_a_drafted_tree_teaches_its_whole_self_in_hindsight():
+    """Bug: the factors and corrections learned from the verified prefix of each tree alone --
+    trees chosen because they were predicted to pay -- and priced every other tree low: at 4
+    streams on the mixed prompts budget 4's trees, priced by auto's model, took 1.13x the tokens
+    predicted (auto's own 1.01x), a sequence's 4-node tree looked worth ~1.2 tokens where budget
+    4's took 1.37, and the plan left ~3 of 4 sequences plain a step (auto 0.93x budget 4). The
+    target's choice at every position is the token the sequence commits there, so a drafted
+    tree's path is known a few steps later through the nodes never verified too: the whole tree
+    teaches, once the committed tokens decide it.
+
+    The worked tree (root 7; node 1 token 0 p .6, its child node 2 token 1 p .48, node 3 token 1
+    p .3): the step verifies node 1 alone and the target takes token 1 -- node 3's, never
+    verified."""
+    policy = BudgetPolicy(CostCurve({1: 1.0}))
+    estimate = policy.sequence()
+    tree = worked_tree()
+    raw = policy.curve(tree, estimate, 3, root=0)  # nothing learnt yet: every correction 1
+    assert len(estimate.pending) == 1
+    policy.observe_round(estimate, tree.prefix(1), {2: raw[1]}, [0])  # the verified prefix: node 1, not taken
+    assert estimate.acceptance.mass == [] and policy.batch.mass == []  # drafted: it teaches in hindsight
+    policy.hindsight(estimate, [7])  # depth 1's token not committed yet: undecided
+    assert len(estimate.pending) == 1 and estimate.acceptance.mass == []
+    policy.hindsight(estimate, [7, 1])  # the target took token 1: node 3, a leaf
+    assert estimate.pending == []
+    # all three nodes counted, by bin (.6 -> 0; .48 and .3 -> 1), node 3 a hit; the verified
+    # prefix alone would have taught bin 0's node 1 and nothing of its sibling
+    assert estimate.acceptance.hits == [0.0, 1.0, 0.0, 0.0]
+    assert estimate.acceptance.mass == pytest.approx([0.6, 0.78, 0.0, 0.0])
+    assert policy.bias(drafted=True) == pytest.approx((1 + 1) / (raw[-1] + 1))  # 1 token of 1.38 predicted
+
+    # a path that runs into the committed tokens' end waits for the next ones, and is dropped
+    # with the sequence's end (what follows it is never known)
+    other = policy.sequence()
+    policy.curve(tree, other, 3, root=0)
+    policy.hindsight(other, [7, 0])  # node 1 taken; its child's token not committed yet
+    assert len(other.pending) == 1
+    policy.hindsight(other, [7, 0], finished=True)
+    assert other.pending == [] and other.acceptance.mass == []
+    # decided by a token no child holds: the path stops at node 1
+    last = policy.sequence()
+    policy.curve(tree, last, 3, root=0)
+    policy.hindsight(last, [7, 0, 5])
+    assert last.pending == [] and last.acceptance.hits == [1.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9, seed=3)])
+def test_hindsight_paths_are_the_targets_own_through_the_whole_drafted_tree(tiny_checkpoint, sampling):
+    """End to end, greedy and seeded: every drafted tree the policy learns from in hindsight is
+    learnt along the target's path -- the deepest of its root-to-node token sequences that the
+    sequence's committed tokens after its root begin with (computed here from the result alone)
+    -- which runs past the verified prefixes that random node counts cut short; every kept tree
+    is learnt or dropped by the end; and the output is plain decoding's."""
+    hf, target, _ = tiny_checkpoint("llama", 97)
+    prompt = [5, 6, 7]
+    drafter = OracleDrafter(prompt + hf_greedy(hf, prompt, 48), 97, 8, accuracy=0.8)
+    policy = RandomQ(seed=2)
+    kept, learned = [], {}
+    curve, learn = policy.curve, policy._learn
+
+    def keeping(tree, estimate, most, root=None):
+        out = curve(tree, estimate, most, root)
+        if root is not None:
+            kept.append((estimate, estimate.pending[-1]))
+        return out
+
+    def learning(estimate, nodes, raw, path, has_drafted):
+        learned[id(nodes)] = list(path)
+        return learn(estimate, nodes, raw, path, has_drafted)
+
+    policy.curve, policy._learn = keeping, learning
+    scheduler = Scheduler.local(target, drafter, "auto", BatchLimits(max_num_seqs=2, max_step_tokens=2 * 33), policy=policy)
+    result = scheduler.generate([Request(prompt, 40, sampling=sampling)])[0]
+    plain = SoloLoop.local(target, drafter).generate([Request(prompt, 40, sampling=sampling, budget=0)])[0].tokens
+    assert result.tokens == plain
+    assert kept and all(not estimate.pending for estimate, _ in kept)
+    for _, record in kept:
+        if id(record.nodes) not in learned:  # dropped: its path ran into the output's end
+            continue
+        sequences = {0: ()}
+        for i in range(1, len(record.tokens)):
+            sequences[i] = sequences[record.parents[i]] + (record.tokens[i],)
+        after = tuple(result.tokens[record.root + 1:])
+        deepest = max(len(s) for s in sequences.values() if after[:len(s)] == s)
+        path = learned[id(record.nodes)]
+        assert len(path) - 1 == deepest and sequences[path[-1]] == after[:deepest]
+    assert len(learned) >= len(kept) - 3  # only the last few trees run into the end
+    verified = sum(r.accepted for r in result.rounds)
+    assert sum(len(p) - 1 for p in learned.values()) > verified  # the paths ran past the verified prefixes

@@ -46,7 +46,11 @@ The model (README, "How budget: auto chooses"):
   the sum counts the drafter's nodes alone and l_d is the mass of the nodes on the lookup chain,
   whose scores are already calibrated from the chain's measured acceptance (workers.lookup): c_b
   learns only from the drafter's nodes, so a stretch of trees that are mostly (or only) a lookup
-  chain does not teach it the chain's hit rate. (A factor per depth, before: learned on the
+  chain does not teach it the chain's hit rate. A drafted tree teaches c_b and b whole, every
+  node of it, not the prefix verified: the target's choice at each position is the token the
+  sequence commits there, so its path through the tree is known a few steps later (`hindsight`);
+  the prefixes verified were chosen because they were predicted to pay, and learned from alone
+  they priced every other tree ~11% low. (A factor per depth, before: learned on the
   policy's own trees, mostly their p >= .5 nodes, it priced the siblings that a wider tree adds
   at the top nodes' 0.4-0.65, and on chat predicted 0.58 accepted tokens for budget 4's trees
   that took 0.77.)
@@ -344,6 +348,37 @@ def tree_gains(nodes: TreeNodes, factors: list[float]) -> list[float]:
 
 
 @dataclass
+class Hindsight:
+    """A drafted tree, whole, kept until the sequence's committed tokens tell how far the
+    target's path runs through it (`resolve`): the target's choice at every position is the
+    committed token there (its own decoding, greedy or seeded by position), so the path through
+    the nodes that were never verified is known a few steps later, exactly."""
+
+    root: int  # the index of the tree's root token in the sequence's output
+    tokens: list[int]  # [N] root first
+    parents: list[int]  # [N]
+    nodes: TreeNodes  # its non-root nodes, as the policy priced them
+    raw: list[float]  # tree_gains of those nodes at the factors it was drafted with
+    drafted: bool  # whether it holds any of the drafter's nodes (`_has_drafted`)
+    path: list[int] = field(default_factory=lambda: [0])  # the target's path so far (node indices, root first)
+
+    def resolve(self, output: list[int]) -> list[int] | None:
+        """The target's path through the tree (root first) once `output` decides it -- a node
+        with no child on it, or a leaf -- else None (the path reaches the output's end)."""
+        while True:
+            at, position = self.path[-1], self.root + len(self.path)
+            children = [i for i in range(at + 1, len(self.tokens)) if self.parents[i] == at]
+            if not children:
+                return self.path
+            if position >= len(output):
+                return None
+            taken = next((i for i in children if self.tokens[i] == output[position]), None)
+            if taken is None:
+                return self.path
+            self.path.append(taken)
+
+
+@dataclass
 class SequenceEstimate:
     """What the policy knows of one sequence: its acceptance factors, its recent expected
     accepted tokens per bucket Q (None until it drafted once), and when it is probed next."""
@@ -358,6 +393,7 @@ class SequenceEstimate:
     drafted: int = 0  # its drafted trees so far
     context: int = 0  # target features its next draft takes in (the scheduler sets it each step) ...
     remaining: int | None = None  # ... and the tokens it may still emit (None: unknown)
+    pending: list["Hindsight"] = field(default_factory=list)  # its drafted trees whose outcome is not known yet
 
     def priced_context(self) -> float:
         """The context rows the plan charges its draft for: a sequence that drafts every round takes
@@ -626,8 +662,8 @@ class BudgetPolicy:
         lines = self.foretold_lines()  # once a plan: 64 sequences x 8 Q's each took 0.3 ms
         floors = (0.0, 0.0) if fixed_nodes else (self.node_floor(batch, (max(buckets) - 1) * batch),
                                                   self.draft_floor(batch, len(estimates)))
-        chosen, known_rate = self._best(batch, fixed_drafting, fixed_nodes, buckets, {
-            i: self.foretell(e, lines) for i, e in enumerate(estimates) if i not in due}, context, floors)
+        known = {i: self.foretell(e, lines) for i, e in enumerate(estimates) if i not in due}
+        chosen, known_rate = self._best(batch, fixed_drafting, fixed_nodes, buckets, known, context, floors)
         chosen = set(chosen)
         for i, e in enumerate(estimates):  # what the probes of its last step came to
             if e.probed is not None and i not in due:
@@ -862,10 +898,36 @@ class BudgetPolicy:
         most_bias = max(self.bias(False, 1 << g) for g in range(_size(max(most, 1))))  # ranks 1, 2, 4, ...
         return floor / max(most_bias, 1e-9)
 
-    def curve(self, tree: Tree, estimate: SequenceEstimate, most: int) -> list[float]:
+    def curve(self, tree: Tree, estimate: SequenceEstimate, most: int, root: int | None = None) -> list[float]:
         """This step's expected accepted tokens of `tree`'s first n nodes, n = 0 ... min(its
-        nodes, most)."""
-        return self._corrected(tree_gains(TreeNodes.of(tree, most), estimate.acceptance.factors()), _has_drafted(tree))
+        nodes, most). With `root` (the index of its root token in the sequence's output), the
+        tree -- those nodes, all of them, whatever prefix is verified -- is kept for the factors
+        and corrections to learn from once its outcome is known (`hindsight`)."""
+        nodes = TreeNodes.of(tree, most)
+        raw = tree_gains(nodes, estimate.acceptance.factors())
+        if root is not None:
+            kept = len(raw)
+            estimate.pending.append(Hindsight(root, tree.tokens[:kept].tolist(), tree.parents[:kept].tolist(),
+                                              nodes, raw, _has_drafted(tree)))
+        return self._corrected(raw, _has_drafted(tree))
+
+    def hindsight(self, estimate: SequenceEstimate, output: list[int], finished: bool = False) -> None:
+        """After a sequence's step: its kept drafted trees (`curve`) whose path the committed
+        `output` now decides teach the factors and corrections (`_learn`), over all their nodes.
+        Learned from the verified prefix alone, they learned from trees chosen because they were
+        predicted to pay, and priced every other tree low: budget 4's trees, priced by auto's
+        model at 4 streams, took 1.13x the tokens predicted (5.68 a step for 5.04), auto's own
+        1.01x; a sequence's 4-node tree looked worth ~1.2 tokens where budget 4's took 1.37, the
+        plan left ~3 of 4 sequences plain a step, and auto ran 0.93x budget 4. A finished
+        sequence's undecided trees are dropped (the path past its end is not known)."""
+        undecided = []
+        for kept in estimate.pending:
+            path = kept.resolve(output)
+            if path is not None:
+                self._learn(estimate, kept.nodes, kept.raw, path, kept.drafted)
+            elif not finished:
+                undecided.append(kept)
+        estimate.pending = undecided
 
     def chain_curve(self, branch: Lookup, most: int) -> list[float]:
         """`curve` of the tree that is `branch`'s lookup chain alone, without growing it: the
@@ -975,7 +1037,8 @@ class BudgetPolicy:
         """One auto sequence's round: its tree as verified, this step's gains of its full
         tree (None when it did not draft), the target's accepted path (node indices, root
         first). Returns the round's predicted accepted tokens (what the acceptance model said
-        before seeing it)."""
+        before seeing it). A tree it did not draft (a lookup chain alone) teaches the factors and
+        corrections here (`_learn`); a drafted one teaches them whole, in `hindsight`."""
         if gains is not None:  # it drafted: its gains of this step's tree, whatever Q was chosen
             # the mean of its first drafted trees, then a moving average: seeded with its first
             # tree alone (the first step of a reply, the hardest to draft), an EMA held chat
@@ -998,11 +1061,20 @@ class BudgetPolicy:
         raw = tree_gains(nodes, estimate.acceptance.factors())  # [n] the first n nodes' expected accepted tokens
         has_drafted = _has_drafted(tree)
         predicted = self._corrected(raw, has_drafted)[-1]
+        if gains is None:  # a drafted tree (gains given) teaches in hindsight, whole (`hindsight`)
+            self._learn(estimate, nodes, raw, path, has_drafted)
+        return predicted
+
+    def _learn(self, estimate: SequenceEstimate, nodes: TreeNodes, raw: list[float], path: list[int],
+               has_drafted: bool) -> None:
+        """What one tree's outcome teaches: its source's realized / predicted correction, whole and
+        per group of ranks, and the factors of its drafter's nodes. `raw`: its nodes' `tree_gains`;
+        `path`: the target's path through it (node indices, root first)."""
         _fade_in(self._bias[has_drafted], BIAS_DECAY, len(path) - 1, raw[-1])
         # per rank group: how many of its nodes the path took, over their marginal gains
         ranks = collections.Counter(_size(i) for i in path[1:])
         marginal = collections.defaultdict(float)
-        for n in range(1, tree.size):
+        for n in range(1, len(raw)):
             marginal[_size(n)] += raw[n] - raw[n - 1]
         for group in marginal.keys() | ranks.keys():
             _fade_in(self._bias.setdefault((has_drafted, group), [0.0, 0.0]), BIAS_DECAY, ranks[group],
@@ -1017,7 +1089,6 @@ class BudgetPolicy:
                 hits[b] += i in taken
         estimate.acceptance.observe(mass, hits)
         self.batch.observe(mass, hits)
-        return predicted
 
     def observe_step(self, batch: int, q: int, verify_s: float, drafting: int, draft_s: float, other_s: float,
                      nodes: int = 0, context: int = 0, accepted: int | None = None) -> None:

@@ -401,8 +401,8 @@ class Scheduler:
         # growing 4 drafted trees took ~5 ms, which it had counted in the rest of the step)
         draft_cost = (t1 - t0) + (time.perf_counter() - t_grow if drafting else 0.0)
         most = buckets[-1] - 1
-        curves = {b: self.policy.curve(trees[b], rows[b].estimate, most) if b in candidates
-                  else self.policy.chain_curve(branches[b], most) for b in auto_trees}
+        curves = {b: self.policy.curve(trees[b], rows[b].estimate, most, root=len(rows[b].output) - 1)
+                  if b in candidates else self.policy.chain_curve(branches[b], most) for b in auto_trees}
         if auto_trees:  # the policy's nodes per auto tree: each its best-first prefix of them
             fixed_nodes = sum(trees[b].size - 1 for b in range(len(rows)) if b not in curves)
             decision = self.policy.choose(len(rows), buckets, list(curves.values()), draft_cost, fixed_nodes)
@@ -481,6 +481,7 @@ class Scheduler:
             predicted = None
             if seq.budget == "auto" and seq.estimate is not None:
                 predicted = self.policy.observe_round(seq.estimate, tree, gains.get(b), path.tolist())
+                self.policy.hindsight(seq.estimate, seq.output, finished=seq.finish_reason is not None)
                 granted_budget = granted[b]
             elif seq.budget == "chain" and granted[b] == self._nodes("chain"):
                 granted_budget = "chain"
