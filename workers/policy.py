@@ -59,7 +59,8 @@ A step decides twice: before drafting, from each sequence's recent E_s (read thr
 steps gained after such recent gains: `foretell`), which sequences draft (`plan`); after drafting,
 from this step's exact E_s, which Q (`choose`). Q = 1 is plain decoding.
 A sequence the plan leaves out is probed (drafts anyway: one drafter row, and the step's Q still
-chosen from what it drafted) at its first step, then after 8 idle steps, 16, 32, 64, so a
+chosen from what it drafted; the others' drafts share its pass, and the plan prices them at what
+they add to it) at its first step, then after 8 idle steps, 16, 32, 64, so a
 new sequence is learnt and one whose acceptance collapsed is re-probed cheaply -- but only while
 the best gains seen lately (`hope`: any sequence's) would make drafting it pay at this step's
 costs: under a load where no tree can pay (many streams on a CPU) the band probes only once its
@@ -687,6 +688,11 @@ class BudgetPolicy:
         self.probed = due
         if due:
             self._since_probe[band], self._since_probe_s[band] = 0, 0.0
+            # the probes draft anyway: the others share their drafter pass, D(k + probes) - D(probes)
+            # a draft, not D(k) (no draft floor: the least share of a pass is not a shared pass's)
+            shared, _ = self._best(batch, fixed_drafting + len(due), fixed_nodes, buckets, known, context,
+                                   (floors[0], 0.0))
+            chosen = set(shared)
         for i, e in enumerate(estimates):
             if i in chosen:
                 e.idle, e.probe_after = 0, FIRST_PROBE
