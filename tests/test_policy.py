@@ -1248,3 +1248,24 @@ def test_hindsight_paths_are_the_targets_own_through_the_whole_drafted_tree(tiny
     assert len(learned) >= len(kept) - 3  # only the last few trees run into the end
     verified = sum(r.accepted for r in result.rounds)
     assert sum(len(p) - 1 for p in learned.values()) > verified  # the paths ran past the verified prefixes
+
+
+def test_the_others_drafts_beside_a_probe_are_priced_at_what_they_add_to_its_pass():
+    """Bug: the plan priced the known sequences' drafts at D(k), as if the drafter's pass were
+    theirs alone, while a probe of a new sequence drafted in the same pass anyway: at 4 streams,
+    where the pass is mostly a fixed cost, every new sequence's first probe left the other three
+    plain. Here a pass costs 30 ms and 1.3 ms a sequence more, and three known sequences gain 0.3
+    tokens each: alone their drafts cannot pay (4.9 tokens in 77 ms against 4 in 40 plain), beside
+    the probe's pass they do (4.9 in 78 ms against 4 in 70)."""
+    policy = FixedCosts(CostCurve({4: 0.040, 8: 0.044}))
+    policy.draft = CostCurve({1: 0.030, 4: 0.034})
+    known = []
+    for _ in range(3):
+        estimate = policy.sequence()
+        estimate.gain, estimate.peak, estimate.drafted = {1: 0.0, 2: 0.3}, {1: 0.0, 2: 0.3}, 4
+        known.append(estimate)
+    assert policy.plan(4, 0, [1, 2], known + [policy.sequence()]) == [True] * 4
+    assert policy.probed == {3}
+    for estimate in known:  # no probe: the same three stay plain
+        estimate.idle = 0
+    assert policy.plan(4, 0, [1, 2], known) == [False] * 3
