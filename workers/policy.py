@@ -394,7 +394,7 @@ class SequenceEstimate:
     drafted: int = 0  # its drafted trees so far
     context: int = 0  # target features its next draft takes in (the scheduler sets it each step) ...
     remaining: int | None = None  # ... and the tokens it may still emit (None: unknown)
-    pending: list["Hindsight"] = field(default_factory=list)  # its drafted trees whose outcome is not known yet
+    pending: list[Hindsight] = field(default_factory=list)  # its drafted trees whose outcome is not known yet
 
     def priced_context(self) -> float:
         """The context rows the plan charges its draft for: a sequence that drafts every round takes
@@ -909,13 +909,13 @@ class BudgetPolicy:
         nodes, most). With `root` (the index of its root token in the sequence's output), the
         tree -- those nodes, all of them, whatever prefix is verified -- is kept for the factors
         and corrections to learn from once its outcome is known (`hindsight`)."""
-        nodes = TreeNodes.of(tree, most)
+        nodes, drafted = TreeNodes.of(tree, most), _has_drafted(tree)
         raw = tree_gains(nodes, estimate.acceptance.factors())
         if root is not None:
             kept = len(raw)
             estimate.pending.append(Hindsight(root, tree.tokens[:kept].tolist(), tree.parents[:kept].tolist(),
-                                              nodes, raw, _has_drafted(tree)))
-        return self._corrected(raw, _has_drafted(tree))
+                                              nodes, raw, drafted))
+        return self._corrected(raw, drafted)
 
     def hindsight(self, estimate: SequenceEstimate, output: list[int], finished: bool = False) -> None:
         """After a sequence's step: its kept drafted trees (`curve`) whose path the committed
