@@ -73,10 +73,12 @@ class TextDeltas:
 class BatchDriver:
     """Feeds a Scheduler from asyncio. `stream` adds a request and yields its updates; one task
     runs `scheduler.step()` on the worker thread while there is work and hands each update to
-    its request's queue. A stream closed early (the client left) cancels its sequence."""
+    its request's queue. `leave` ends a request's stream: a sequence that has not finished (its
+    client left) is cancelled."""
 
     def __init__(self, scheduler: Scheduler, worker: ThreadPoolExecutor, on_step=None):
         self.scheduler, self.worker, self.on_step = scheduler, worker, on_step
+        # the queues of the requests not yet finished, failed or left
         self.queues: dict[int, asyncio.Queue] = {}
         self.wake: asyncio.Event | None = None
         self.task: asyncio.Task | None = None
@@ -91,21 +93,26 @@ class BatchDriver:
         self.wake.set()
         return seq_id
 
-    async def updates(self, seq_id: int) -> AsyncIterator[Update]:
-        """The submitted request's updates; closing this early cancels it."""
-        queue, finished = self.queues[seq_id], False
-        try:
-            while not finished:
-                update = await queue.get()
-                if isinstance(update, BaseException):
-                    raise update
-                finished = update.result is not None
-                yield update
-        finally:
-            self.queues.pop(seq_id, None)
-            if not finished:
-                self.scheduler.cancel(seq_id)
-                self.wake.set()
+    def updates(self, seq_id: int) -> AsyncIterator[Update]:
+        """The submitted request's updates, up to the one that carries its result."""
+        return self._drain(self.queues[seq_id])
+
+    @staticmethod
+    async def _drain(queue: asyncio.Queue) -> AsyncIterator[Update]:
+        while True:
+            update = await queue.get()
+            if isinstance(update, BaseException):
+                raise update
+            yield update
+            if update.result is not None:
+                return
+
+    def leave(self, seq_id: int) -> None:
+        """The request's stream is over. Called whether or not its updates were ever read (a
+        client can leave before the first one): a sequence not finished is cancelled."""
+        if self.queues.pop(seq_id, None) is not None:
+            self.scheduler.cancel(seq_id)
+            self.wake.set()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -121,6 +128,7 @@ class BatchDriver:
                 self.scheduler.abort_all()
                 for queue in self.queues.values():
                     queue.put_nowait(err)
+                self.queues.clear()
                 continue
             if self.on_step is not None:
                 self.on_step(self.scheduler)
@@ -128,6 +136,8 @@ class BatchDriver:
                 queue = self.queues.get(seq_id)
                 if queue is not None:
                     queue.put_nowait(update)
+                    if update.result is not None:
+                        del self.queues[seq_id]
 
 
 class EngineServer:
@@ -217,10 +227,6 @@ class EngineServer:
         self.metrics.set_batch(running=len(scheduler.running), queued=len(scheduler.waiting),
                                recalibrations=stats.get("recalibrations", 0), tree_rates=stats.get("tree_rates"))
 
-    def _updates(self, request: Request) -> AsyncIterator[Update]:
-        """The request's updates; raises ValueError or QueueFull at once if it cannot be queued."""
-        return self.driver.updates(self.driver.submit(request))
-
     async def stream(self, body: dict) -> AsyncIterator[dict]:
         arrived = time.perf_counter()
         try:
@@ -230,7 +236,7 @@ class EngineServer:
             yield {"type": "error", "status": err.status, "message": str(err), "param": err.param}
             return
         try:
-            updates = self._updates(request)
+            seq_id = self.driver.submit(request)
         except QueueFull as err:
             self.metrics.error(429)
             yield {"type": "error", "status": 429, "message": f"the engine is at capacity ({err}); retry later",
@@ -240,6 +246,7 @@ class EngineServer:
             self.metrics.error(400)
             yield {"type": "error", "status": 400, "message": str(err), "param": None}
             return
+        updates = self.driver.updates(seq_id)  # its queue now: it may finish before the start is read
         tokens: list[int] = []
         deltas = TextDeltas(self.engine.decode, request.stop)
         last, started = arrived, False
@@ -266,7 +273,8 @@ class EngineServer:
                     yield {"type": "end", "finish_reason": update.result.finish_reason,
                            "usage": self.usage(request, update.result)}
         finally:
-            await updates.aclose()
+            # also when the stream is closed at the start event, before the updates were read
+            self.driver.leave(seq_id)
 
     def usage(self, request, result) -> dict:
         accepted = sum(r.accepted for r in result.rounds)

@@ -21,7 +21,7 @@ from ddtree.workers.kv_pool import KVStorage, PageAllocator
 from ddtree.workers.model import KVCache
 from ddtree.workers.scheduler import BatchLimits, QueueFull, Scheduler, bucket, grant
 
-from .helpers import hf_greedy
+from .helpers import CHAT_SAMPLE, hf_greedy
 from .drafters import OracleDrafter
 
 BUDGETS = [0, "chain", 1, 8, 16, 64]
@@ -203,6 +203,42 @@ def test_cancel_frees_the_sequence_at_the_next_step(tiny_checkpoint):
     emitted = scheduler.step()
     assert [s.id for s in scheduler.running] == [stays] and gone not in [i for i, _ in emitted]
     assert scheduler.pool.free_pages == scheduler.pool.num_pages - len(scheduler.running[0].pages)
+
+
+@pytest.mark.parametrize("read", ["start", "first tokens", "all"])
+def test_a_stream_closed_at_any_point_leaves_no_sequence_and_no_queue(tiny_chat_model, read):
+    """The engine's stream for one request, closed after its start event, after its first tokens,
+    or read to the end. A client that left before its first token used to keep its sequence:
+    `stream` closed the scheduler's updates with `aclose()`, which does nothing to an async
+    generator never started, so the sequence decoded all its tokens for no one and its queue
+    of updates stayed behind (a full `make test` once saw the hang-up test count no
+    cancellation). Closed early, the sequence is cancelled; read whole, it finished; either
+    way no queue is left."""
+    import asyncio
+
+    from ddtree.serve.engine_server import EngineServer
+
+    server = EngineServer({"model": str(tiny_chat_model), "budget": 0, "block_size": 4, "max_num_seqs": 2})
+    body = {"kind": "chat", "messages": CHAT_SAMPLE, "max_tokens": 200, "temperature": 0}
+
+    async def run() -> list[dict]:
+        events = []
+        stream = server.stream(body)
+        async for event in stream:
+            events.append(event)
+            if (read == "start") or (read == "first tokens" and event["type"] == "delta"):
+                break
+        await stream.aclose()
+        while server.engine.scheduler.has_work:
+            await asyncio.sleep(0.01)
+        return events
+
+    events = asyncio.run(run())
+    stats = server.batch_stats()
+    assert stats["running"] == stats["waiting"] == 0 and stats["free_pages"] == stats["pages"]
+    assert stats["cancelled"] == (0 if read == "all" else 1), stats
+    assert events[-1]["type"] == {"start": "start", "first tokens": "delta", "all": "end"}[read]
+    assert server.driver.queues == {}
 
 
 def test_a_full_queue_refuses_and_a_prompt_larger_than_the_pool_is_an_error(tiny_checkpoint):

@@ -31,7 +31,10 @@ def slow_chat_model(tiny_chat_model, tmp_path_factory):
     (With 10 layers and the AVX-512 GEMMs, a full `make test` once saw all 400 tokens of the
     completion then asked for finish before the hang-up reached the engine: no cancellation
     counted; with 20 layers, once more on the AVX2 machine. A longer completion widens the
-    margin without slowing the test: a cancelled one stops at once.)"""
+    margin without slowing the test: a cancelled one stops at once. With 960 tokens CI saw it
+    again: the client hangs up after the role chunk, and a hang-up that reached the engine while
+    its stream still stood at the start event cancelled nothing -- the bug that
+    test_batching's closed-stream test pins down.)"""
     directory = tmp_path_factory.mktemp("slow-chat")
     hf = make_hf_model("llama", vocab=49152, layers=20, hidden_size=512, intermediate_size=2048,
                        num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=1024)
