@@ -189,6 +189,18 @@ def test_padding_rows_are_skipped_and_real_rows_unchanged():
     with pytest.raises(RuntimeError, match="rows of a 9-row block"):
         torch.ops.ddtree_cpu.tree_attention(q, k, v, slots * (kv_heads * head_dim), kv_heads, head_dim, lengths,
                                             mask, 0.125, torch.tensor([10, 1, 1, 1]))
+    # the real rows alone as queries ([N, Hq, D], sequence after sequence): the same rows back,
+    # in that order (what a packed forward's attention asks of the paged pool)
+    real = torch.cat([q[b, :, :n].transpose(0, 1) for b, n in enumerate(rows.tolist())])
+    alone = torch.ops.ddtree_cpu.tree_attention(real, k, v, slots * (kv_heads * head_dim), kv_heads, head_dim, lengths,
+                                                mask, 1.0 / head_dim ** 0.5, rows, True)
+    assert torch.equal(alone, torch.cat([padded[b, :, :n].transpose(0, 1) for b, n in enumerate(rows.tolist())]))
+    with pytest.raises(RuntimeError, match="rows sum to 14"):
+        torch.ops.ddtree_cpu.tree_attention(real[1:], k, v, slots * (kv_heads * head_dim), kv_heads, head_dim,
+                                            lengths, mask, 0.125, rows, True)
+    with pytest.raises(RuntimeError, match="packed queries need rows"):
+        torch.ops.ddtree_cpu.tree_attention(real, k, v, slots * (kv_heads * head_dim), kv_heads, head_dim, lengths,
+                                            mask, 0.125, None, True)
 
 
 def test_tree_attention_refuses_what_it_cannot_read():

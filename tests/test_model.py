@@ -115,13 +115,16 @@ def test_fp32_tree_verify_is_bitwise_plain_decoding(tmp_path, family):
         assert torch.equal(out.logits[0, node], logits), (node, (out.logits[0, node] - logits).abs().max())
 
 
-def test_a_packed_verify_computes_the_real_rows_alone_and_as_padded(tmp_path):
+@pytest.mark.parametrize("storage", ["dense", "paged"])
+def test_a_packed_verify_computes_the_real_rows_alone_and_as_padded(tmp_path, storage):
     """A step pads every tree to one Q; on the CPU the forward computes the real rows only
     (`rows`, workers.model.Packing). Their logits, features and chosen tokens (greedy and
     seeded) are those of the padded forward -- bitwise with ddtree_cpu's row-invariant fp32
-    kernels -- and the padding rows' features are zero."""
+    kernels -- and the padding rows' features are zero. In the paged pool (the scheduler's) the
+    attention takes the real rows as they are, never laid out padded (`PagedView.attend_rows`)."""
     from ddtree.config import SamplingParams
     from ddtree.workers import cpu_gemm
+    from ddtree.workers.kv_pool import KVStorage, PageAllocator
     from ddtree.workers.model import SingleProcess
 
     make_hf_model("llama").to(torch.float32).save_pretrained(tmp_path)
@@ -134,6 +137,15 @@ def test_a_packed_verify_computes_the_real_rows_alone_and_as_padded(tmp_path):
     tokens, positions, mask = (torch.stack([getattr(b, f) for b in blocks]) for f in ("tokens", "positions", "mask"))
 
     def cache():
+        if storage == "paged":
+            pages = PageAllocator(tokens=128, page=4)
+            pages._free.reverse()  # high page ids first: the tables are not contiguous
+            pool = KVStorage(model.config, pages.num_pages, 4, torch.float32)
+            tables = [[], []]
+            for table in tables:
+                pages.grow(table, 9 + 17)
+            model(prompts, torch.arange(9)[None].expand(2, -1), model.prefill_mask(9), pool.batch(tables, [0, 0]))
+            return pool.batch(tables, [9, 9])
         c = model.new_cache(2, 40)
         model(prompts, torch.arange(9)[None].expand(2, -1), model.prefill_mask(9), c)
         c.lengths += 9

@@ -828,18 +828,25 @@ void finish_values(const float* vp, const int64_t* keys, const float* p, int64_t
 // int64: the element offset in k / v of position p's key for key-value head 0 of sequence b
 // (key-value head g at + g * head_stride; query head h reads g = h / (Hq / kv_heads));
 // lengths [B] int64; mask [B, Q, Q] bool; rows [B] int64 or none: sequence b's block rows past
-// rows[b] are padding, not computed (their output is zero) -> [B, Hq, Q, D]
+// rows[b] are padding, not computed (their output is zero) -> [B, Hq, Q, D].
+// packed (rows given): q holds the real rows alone, [N, Hq, D] with N = sum of rows (sequence b's
+// rows after those of sequences 0 ... b - 1, workers.model.Packing's order) -> [N, Hq, D]: the
+// forward need not lay its rows out padded and back at every layer (at 4 streams, 3-5 ms of a
+// 65 ms verify of trees of unequal sizes). Each row's arithmetic is the padded layout's.
 at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& offsets,
                           int64_t kv_heads, int64_t head_stride, const at::Tensor& lengths, const at::Tensor& mask,
-                          double scale, const std::optional<at::Tensor>& rows) {
+                          double scale, const std::optional<at::Tensor>& rows, bool packed) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "ddtree_cpu.tree_attention runs on CPU tensors");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "tree_attention is float32");
-  TORCH_CHECK(q.dim() == 4 && q.size(3) % HEAD_LANES == 0 && q.size(3) <= 512,
-              "q must be [B, Hq, Q, D] with D a multiple of 8, at most 512");
+  TORCH_CHECK(!packed || rows.has_value(), "packed queries need rows");
+  const int64_t dims = packed ? 3 : 4;
+  TORCH_CHECK(q.dim() == dims && q.size(dims - 1) % HEAD_LANES == 0 && q.size(dims - 1) <= 512,
+              packed ? "packed q must be [N, Hq, D]" : "q must be [B, Hq, Q, D]", " with D a multiple of 8, at most 512");
   TORCH_CHECK(kv_heads > 0 && q.size(1) % kv_heads == 0, "query heads (", q.size(1), ") must be a multiple of kv_heads");
   TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "k and v must be contiguous storage");
-  const int64_t B = q.size(0), Hq = q.size(1), Q = q.size(2), D = q.size(3);
+  const int64_t B = packed ? offsets.size(0) : q.size(0), Hq = q.size(1), D = q.size(dims - 1);
+  const int64_t Q = packed ? mask.size(1) : q.size(2);
   TORCH_CHECK(offsets.dim() == 2 && offsets.size(0) == B && offsets.scalar_type() == at::kLong, "offsets must be [B, S] int64");
   TORCH_CHECK(lengths.numel() == B && lengths.scalar_type() == at::kLong, "lengths must be [B] int64");
   TORCH_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == Q && mask.size(2) == Q && mask.scalar_type() == at::kBool,
@@ -858,7 +865,15 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       TORCH_CHECK(real[b] >= 0 && real[b] <= Q, "sequence ", b, ": ", real[b], " rows of a ", Q, "-row block");
     }
   }
-  at::Tensor out = rows.has_value() ? at::zeros({B, Hq, Q, D}, q.options()) : at::empty({B, Hq, Q, D}, q.options());
+  std::vector<int64_t> start(B, 0);  // packed: sequence b's first row
+  for (int64_t b = 1; b < B; ++b) start[b] = start[b - 1] + real[b - 1];
+  if (packed)
+    TORCH_CHECK(start[B - 1] + real[B - 1] == q.size(0), "packed q has ", q.size(0), " rows; rows sum to ",
+                start[B - 1] + real[B - 1]);
+  at::Tensor out = packed ? at::empty({q.size(0), Hq, D}, q.options())
+                          : rows.has_value() ? at::zeros({B, Hq, Q, D}, q.options()) : at::empty({B, Hq, Q, D}, q.options());
+  // where row i of sequence b, query head h, lies in q and out
+  auto at_row = [&](int64_t b, int64_t h, int64_t i) { return packed ? ((start[b] + i) * Hq + h) * D : ((b * Hq + h) * Q + i) * D; };
   const float *qp = qc.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const int64_t* off = oc.data_ptr<int64_t>();
   const bool* mp = mc.data_ptr<bool>();
@@ -869,10 +884,20 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   // context keys), scored against those keys together
   constexpr int64_t TILE_ROWS = 3;
   const int64_t group_rows = per_kv * Q, tiles = (group_rows + TILE_ROWS - 1) / TILE_ROWS;
-  at::parallel_for(0, B * kv_heads * tiles, 1, [&](int64_t begin, int64_t end) {
+  // the tiles that hold real rows, (b * kv_heads + g) * tiles + tile, split evenly between the
+  // threads: split over every tile of the padded width, a step of one 17-row tree and three
+  // 1-row ones gave one thread 54 of the 60 real tiles (SmolLM2's heads at 300 positions: 221 us
+  // a call, 157 balanced; four 5-row trees 115-126)
+  std::vector<int64_t> work;
+  work.reserve(B * kv_heads * tiles);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < kv_heads; ++g)
+      for (int64_t tile = 0; tile * TILE_ROWS < per_kv * real[b]; ++tile) work.push_back((b * kv_heads + g) * tiles + tile);
+  at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buffer(TILE_ROWS * (S + HEAD_LANES));
     std::vector<int64_t> keys(S), block_keys(TILE_ROWS * Q);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t index = begin; index < end; ++index) {
+      const int64_t item = work[index];
       const int64_t b = item / (kv_heads * tiles), g = (item / tiles) % kv_heads, tile = item % tiles;
       const int64_t head = g * head_stride, context = len[b], nb = real[b];
       // this sequence's rows: query head g * per_kv + r / nb, block row r % nb, for r < per_kv * nb
@@ -882,7 +907,7 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       float* scores[TILE_ROWS];
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t h = g * per_kv + (first + r) / nb, i = (first + r) % nb;
-        qrows[r] = qp + ((b * Hq + h) * Q + i) * D;
+        qrows[r] = qp + at_row(b, h, i);
         scores[r] = buffer.data() + r * (S + HEAD_LANES);
       }
       for (int64_t p = 0; p < context; ++p) keys[p] = off[b * S + p] + head;
@@ -896,7 +921,7 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       int64_t seen[TILE_ROWS];  // block keys each row sees
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t h = g * per_kv + (first + r) / nb, i = (first + r) % nb;
-        outs[r] = op + ((b * Hq + h) * Q + i) * D;
+        outs[r] = op + at_row(b, h, i);
         float* sp = scores[r];
         int64_t* own = block_keys.data() + r * Q;
         seen[r] = 0;  // then the block keys this row sees, in block order
@@ -939,7 +964,7 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 #else
 at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& offsets,
                           int64_t kv_heads, int64_t head_stride, const at::Tensor& lengths, const at::Tensor& mask,
-                          double scale, const std::optional<at::Tensor>& rows) {
+                          double scale, const std::optional<at::Tensor>& rows, bool packed) {
   TORCH_CHECK(false, "ddtree_cpu.tree_attention is built for AVX2 CPUs (torch's SDPA serves elsewhere)");
 }
 #endif
@@ -977,7 +1002,7 @@ TORCH_LIBRARY(ddtree_cpu, m) {
   m.def("float_mm(Tensor x, Tensor w) -> Tensor");
   m.impl("float_mm", c10::DispatchKey::CPU, TORCH_FN(float_mm));
   m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor offsets, int kv_heads, int head_stride, Tensor lengths, "
-        "Tensor mask, float scale, Tensor? rows=None) -> Tensor");
+        "Tensor mask, float scale, Tensor? rows=None, bool packed=False) -> Tensor");
   m.impl("tree_attention", c10::DispatchKey::CPU, TORCH_FN(tree_attention));
   m.def("fma_rate(int iterations) -> float", TORCH_FN(fma_rate));
 }

@@ -148,6 +148,9 @@ class PagedView:
         valid = cols < (lengths[:, None] + q_len)
         self.read_slots = pool.slots(batch.tables, torch.where(valid, cols, 0)).view(-1)  # [B * span]
         self.cpu = cpu_attention(pool.k, q_len)
+        # the CPU kernel attends the real rows of a packed forward as they are (`attend_rows`)
+        self.packs = self.cpu and rows is not None
+        self._row_slots: torch.Tensor | None = None  # the real rows' write slots, at the first layer
         if self.cpu:  # in place: key (slot, head 0) sits at slot * Hkv * D
             self.offsets = self.read_slots.view(len(batch.tables), self.span) * (pool.k.shape[2] * pool.k.shape[3])
             self.mask = dense_block_mask(block_mask, len(batch.tables))
@@ -166,3 +169,16 @@ class PagedView:
         keys = pool_k.index_select(0, self.read_slots).view(b, self.span, kv_heads, head_dim).transpose(1, 2)
         values = pool_v.index_select(0, self.read_slots).view(b, self.span, kv_heads, head_dim).transpose(1, 2)
         return self.attention(q, keys, values)
+
+    def attend_rows(self, layer: int, q, k, v, packing) -> torch.Tensor:
+        """`attend` of a packed forward's real rows (workers.model.Packing), where `packs`: q
+        [N, Hq, D]; k, v [N, Hkv, D] -> [N, Hq, D], each row computed as in the padded layout
+        (the padding rows' slots are left as they were: no row reads them)."""
+        if self._row_slots is None:
+            self._row_slots = self.write_slots.index_select(0, packing.index)
+        kv_heads, head_dim = k.shape[1], k.shape[2]
+        pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
+        pool_k.index_copy_(0, self._row_slots, k.to(pool_k.dtype))
+        pool_v.index_copy_(0, self._row_slots, v.to(pool_v.dtype))
+        return torch.ops.ddtree_cpu.tree_attention(q.contiguous(), pool_k, pool_v, self.offsets, kv_heads, head_dim,
+                                                   self.lengths, self.mask, 1.0 / math.sqrt(head_dim), self.rows, True)

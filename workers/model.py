@@ -495,6 +495,7 @@ class DenseView:
 
     def __init__(self, cache: KVCache, block_mask, q_len: int, rows: torch.Tensor | None = None):
         self.cache, self.rows = cache, rows  # rows: [B] real block rows per sequence (Packing), or None
+        self.packs = False  # a packed forward's rows are laid out padded for `attend` (PagedView's may not be)
         kernel = uses_kernel(block_mask, cache.k)
         # the kernel bounds each row by its length; the reference reads [0, longest + Q)
         self.span = cache.slots if kernel else int(cache.lengths.max()) + q_len
@@ -584,6 +585,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # queries and keys rotate together: one set of ops for both
         q, k = apply_rope(torch.cat([q, k], dim=-2), cos, sin).split([self.heads, self.kv_heads], dim=-2)
+        if packing is not None and view.packs:  # the CPU kernel takes the real rows as they are
+            return self.o_proj(view.attend_rows(layer, q, k, v, packing).flatten(1))
         if packing is not None:  # attention runs per sequence, in the padded layout
             q, k, v = packing.unpack(q), packing.unpack(k), packing.unpack(v)
         out = view.attend(layer, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
