@@ -303,7 +303,8 @@ class Packing:
     """The real rows of a block padded to Q rows per sequence: `index` [N] (ascending) of the
     B x Q rows that are not padding. A step pads every tree to one Q; on the CPU, where a
     GEMM's time grows with its rows, the linears, norms and LM head run over the N real rows
-    only, and attention (per sequence, in the padded layout) skips the padding rows (`rows`).
+    only, and attention skips the padding rows (`rows`): the paged pool's takes the real rows as
+    they are (`PagedView.attend_rows`), a dense cache's lays them out padded per sequence.
     float_mm and tree_attention compute each row by itself, so a real row's result is bitwise
     the padded forward's.
 
@@ -572,10 +573,10 @@ class Attention(nn.Module):
         self.qkv = FusedLinears(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x, cos, sin, layer: int, view, packing: Packing | None = None):
-        """x [B, Q, H], or [N, H] with `packing` (the real rows of a padded block: they attend
-        in the padded layout, the padding rows zero). `view` (the cache bound to this forward:
-        DenseView or a paged pool's view) writes the block's keys and values into its cache and
-        attends over what each query may see."""
+        """x [B, Q, H], or [N, H] with `packing` (the real rows of a padded block: they attend as
+        they are where the view `packs`, else in the padded layout, the padding rows zero).
+        `view` (the cache bound to this forward: DenseView or a paged pool's view) writes the
+        block's keys and values into its cache and attends over what each query may see."""
         rows = x.shape[:-1]  # (B, Q), or (N,) packed; cos, sin: [*rows, 1, D]
         q, k, v = self.qkv(x)
         q = q.view(*rows, self.heads, self.head_dim)
