@@ -831,8 +831,8 @@ void finish_values(const float* vp, const int64_t* keys, const float* p, int64_t
 // rows[b] are padding, not computed (their output is zero) -> [B, Hq, Q, D].
 // packed (rows given): q holds the real rows alone, [N, Hq, D] with N = sum of rows (sequence b's
 // rows after those of sequences 0 ... b - 1, workers.model.Packing's order) -> [N, Hq, D]: the
-// forward need not lay its rows out padded and back at every layer (at 4 streams, 3-5 ms of a
-// 65 ms verify of trees of unequal sizes). Each row's arithmetic is the padded layout's.
+// forward need not lay its rows out padded and back at every layer (at 4 streams, 2-6 ms of a
+// 63 ms verify of trees of unequal sizes). Each row's arithmetic is the padded layout's.
 at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& offsets,
                           int64_t kv_heads, int64_t head_stride, const at::Tensor& lengths, const at::Tensor& mask,
                           double scale, const std::optional<at::Tensor>& rows, bool packed) {
@@ -865,11 +865,13 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       TORCH_CHECK(real[b] >= 0 && real[b] <= Q, "sequence ", b, ": ", real[b], " rows of a ", Q, "-row block");
     }
   }
-  std::vector<int64_t> start(B, 0);  // packed: sequence b's first row
-  for (int64_t b = 1; b < B; ++b) start[b] = start[b - 1] + real[b - 1];
-  if (packed)
-    TORCH_CHECK(start[B - 1] + real[B - 1] == q.size(0), "packed q has ", q.size(0), " rows; rows sum to ",
-                start[B - 1] + real[B - 1]);
+  std::vector<int64_t> start(B);  // packed: sequence b's first row
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    start[b] = total;
+    total += real[b];
+  }
+  TORCH_CHECK(!packed || total == q.size(0), "packed q has ", q.size(0), " rows; rows sum to ", total);
   at::Tensor out = packed ? at::empty({q.size(0), Hq, D}, q.options())
                           : rows.has_value() ? at::zeros({B, Hq, Q, D}, q.options()) : at::empty({B, Hq, Q, D}, q.options());
   // where row i of sequence b, query head h, lies in q and out
@@ -901,8 +903,7 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       const int64_t b = item / (kv_heads * tiles), g = (item / tiles) % kv_heads, tile = item % tiles;
       const int64_t head = g * head_stride, context = len[b], nb = real[b];
       // this sequence's rows: query head g * per_kv + r / nb, block row r % nb, for r < per_kv * nb
-      const int64_t first = tile * TILE_ROWS, rows = std::min(TILE_ROWS, per_kv * nb - first);
-      if (rows <= 0) continue;  // past its real rows
+      const int64_t first = tile * TILE_ROWS, rows = std::min(TILE_ROWS, per_kv * nb - first);  // >= 1: a real tile
       const float* qrows[TILE_ROWS];
       float* scores[TILE_ROWS];
       for (int64_t r = 0; r < rows; ++r) {

@@ -745,7 +745,8 @@ class TargetModel(nn.Module):
         features_only: bool = False,  # stop after the last of `capture_layers`: no logits
     ) -> ForwardOutput:
         """Runs the block over the committed prefix in `cache` and writes the block's keys and
-        values at slots lengths[b] ... lengths[b] + Q - 1. It does not advance `lengths`: the
+        values at slots lengths[b] ... lengths[b] + Q - 1 (packed into a paged pool on the CPU: the
+        real rows' alone, `PagedView.attend_rows`). It does not advance `lengths`: the
         caller commits what it keeps (see kernels.tree.compact_kv). With `rows` (every row kept,
         logits_to_keep 0), the padding rows are not computed: the logits come back packed.
         With `resume`, the block starts from layer L's recorded outputs (e.g. features the data
