@@ -16,7 +16,7 @@ import torch
 from ddtree.config import SamplingParams
 from ddtree.kernels.tree import DRAFTER, LOOKUP, Candidates, Lookup, grow_tree
 from ddtree.workers.drafter import DFlashDrafter
-from ddtree.workers.lookup import LookupCalibration, NgramIndex, PRIOR, PRIOR_WEIGHT, chain_outcome
+from ddtree.workers.lookup import LookupCalibration, NgramIndex, PRIOR, PRIOR_WEIGHT, SequenceLookup, chain_outcome
 from ddtree.workers.policy import CostCurve
 from ddtree.workers.requests import Request
 from ddtree.workers.scheduler import BatchLimits, Scheduler
@@ -155,6 +155,26 @@ def test_calibration_counts_a_depth_only_once_the_depth_above_was_reached():
     for _ in range(200):
         seq.observe(2, offered=1, followed=1)
     assert seq.probability(2, 1) > 0.98 and seq.probability(3, 1) == pytest.approx(PRIOR[3])
+
+
+def test_a_sequence_indexes_its_context_only_once_a_branch_could_pass_the_floor():
+    """Indexing every new sequence's prompt on arrival took ~90 ms of a 20 s pass at 64
+    streams, where a busy batch's floor (BudgetPolicy.lookup_floor) lets no chain through. A
+    sequence indexes its context at the first branch asked for whose best first node (any
+    n-gram length's) could beat the floor, and then proposes what an index kept from the
+    start would: the tokens after the latest earlier match of its longest suffix."""
+    prompt, output = [4, 8, 15, 16, 23, 42, 4, 8], [15, 16, 99, 4, 8]
+    seq = SequenceLookup(prompt, LookupCalibration(decay=1.0))
+    high = max(PRIOR.values())  # no n-gram length's first node beats this
+    for n in range(1, len(output) + 1):
+        assert seq.propose(output[:n], floor=high) is None
+    assert seq.index is None
+    branch = seq.propose(output, length=4, floor=min(PRIOR.values()) / 2)
+    eager = NgramIndex(prompt + output)
+    tokens, ngram = eager.propose(4)
+    assert seq.index is not None and seq.index.tokens == prompt + output
+    assert branch is not None and branch.tokens == tokens == [15, 16, 99, 4] and branch.ngram == ngram == 2
+    assert seq.propose(output + [15], length=4) is not None and seq.index.tokens == prompt + output + [15]
 
 
 def test_chain_outcome_reads_the_branch_off_the_tree():

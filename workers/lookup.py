@@ -134,8 +134,10 @@ class SequenceLookup:
     """One sequence's lookup state: the index over its prompt and output and its calibration."""
 
     def __init__(self, prompt: list[int], engine_wide: LookupCalibration):
-        self.prompt_tokens = len(prompt)
-        self.index = NgramIndex(prompt)
+        self.prompt = prompt
+        # built at the first branch asked for: at 64 streams, where a busy batch asks for none,
+        # indexing every new sequence's prompt on arrival took ~90 ms of a 20 s pass
+        self.index: NgramIndex | None = None
         self.calibration = LookupCalibration(SEQ_DECAY, prior=engine_wide)
         self.last: Lookup | None = None  # the branch proposed for the round in flight
 
@@ -143,7 +145,12 @@ class SequenceLookup:
         """The branch below the pending bonus output[-1]; the index first takes the output
         tokens it has not seen. None as well where the branch's first node would be no more
         probable than `floor` (no deeper node of a chain is more probable than its first)."""
-        self.index.extend(output[len(self.index.tokens) - self.prompt_tokens :])
+        if floor and all(self.calibration.probability(n, 1) <= floor for n in range(1, MAX_NGRAM + 1)):
+            self.last = None  # no match could pass: the index need not catch up yet
+            return None
+        if self.index is None:
+            self.index = NgramIndex(self.prompt)
+        self.index.extend(output[len(self.index.tokens) - len(self.prompt) :])
         tokens, ngram = self.index.propose(length)
         if tokens and floor and self.calibration.probability(ngram, 1) <= floor:
             tokens = []
