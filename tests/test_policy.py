@@ -594,8 +594,8 @@ def test_every_committed_row_reaches_the_drafter_once_with_its_own_features(tiny
     whole prompt when new, every token since when idle) from a count it asks for every step
     (`PendingFeatures.rows`; summing tensors each step cost ~130k generator steps a pass at 64
     streams), and the drafter takes them in at its next draft. Those pending rows live in one
-    reused buffer per sequence (a list of per-step views held ~32 steps' gathered blocks and
-    slowed the target's forward 3% at 64 streams). Every step the count is what the next draft
+    reused buffer per sequence (a list of per-step views, joined every 32 steps, copied an idle
+    sequence's whole context at every join). Every step the count is what the next draft
     takes in; over a sequence's life every committed position reaches the drafter once, in
     order, as the target's own features of that position (a full forward over the committed
     tokens recomputes them)."""
