@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -228,9 +228,6 @@ class RemoteBatchDrafter:
         self.actor.open_row.remote(seq_id, slots)
 
     def propose(self, rows: DraftRows) -> list[Candidates]:
-        # each sequence's features are a view of its pending buffer (scheduler.PendingFeatures),
-        # and a pickled view carries its whole storage: the rows alone are sent
-        rows = replace(rows, features=[f.clone() for f in rows.features])
         return _get([self.actor.propose_rows.remote(rows)], ["drafter"])[0]
 
     def close(self, seq_id: int) -> None:
