@@ -17,7 +17,7 @@ from ddtree.workers.policy import (DEPTH_MARGIN, DRAFT_FORGET, EMA, EXPLORE, EXP
                                     Acceptance,
                                     BudgetPolicy, CostCurve, TreeNodes, bin_of, by_bucket, tree_gains)
 from ddtree.workers.requests import Request
-from ddtree.workers.scheduler import FEATURE_KEEP_ROWS, BatchLimits, PendingFeatures, Scheduler
+from ddtree.workers.scheduler import FEATURE_CHUNKS, BatchLimits, PendingFeatures, Scheduler
 from ddtree.workers.solo import SoloLoop
 
 from .drafters import OracleDrafter
@@ -593,9 +593,9 @@ def test_every_committed_row_reaches_the_drafter_once_with_its_own_features(tiny
     """The plan prices the target features an auto sequence gathered since its last draft (its
     whole prompt when new, every token since when idle) from a count it asks for every step
     (`PendingFeatures.rows`; summing tensors each step cost ~130k generator steps a pass at 64
-    streams), and the drafter takes them in at its next draft. Those pending rows live in one
-    reused buffer per sequence (a list of per-step views, joined every 32 steps, copied an idle
-    sequence's whole context at every join). Every step the count is what the next draft
+    streams), and the drafter takes them in at its next draft (a list of per-step views whose
+    recent ones are joined every 32 steps: joined whole, an idle sequence's context was copied
+    again at every join). Every step the count is what the next draft
     takes in; over a sequence's life every committed position reaches the drafter once, in
     order, as the target's own features of that position (a full forward over the committed
     tokens recomputes them)."""
@@ -638,26 +638,30 @@ def test_every_committed_row_reaches_the_drafter_once_with_its_own_features(tiny
 
 
 def test_pending_features_are_the_rows_added_since_the_last_clear():
-    """`PendingFeatures` keeps the rows added since the drafter last took them in, in order,
-    across its buffer's growth and reuse, and lets a buffer past FEATURE_KEEP_ROWS go once
-    taken (a long prompt's rows are not held for the sequence's life)."""
+    """`PendingFeatures` gives the drafter the rows added since it last took them in, in order,
+    as one tensor of its own; an idle sequence's recent steps are joined every FEATURE_CHUNKS
+    of them, and no row is copied twice by those joins (the whole context was, every 32 steps)."""
     gen = torch.Generator().manual_seed(0)
     pending, added = PendingFeatures(), []
-    for n in (5, 1, 1, 40, 3, 1, 64, 2):
-        chunk = torch.randn(1, n, 6, generator=gen)
+    prompt = torch.randn(1, 40, 6, generator=gen)
+    pending.add(prompt)
+    added.append(prompt)
+    for step in range(3 * FEATURE_CHUNKS + 5):
+        chunk = torch.randn(1, 1 + step % 3, 6, generator=gen)
         pending.add(chunk)
         added.append(chunk)
         assert pending.rows == sum(c.shape[1] for c in added)
-        assert torch.equal(pending.view(), torch.cat(added, dim=1))
-    buffer = pending.buffer
+        assert len(pending.chunks) <= pending.joined_chunks + FEATURE_CHUNKS
+    assert pending.joined_chunks == 3 and len(pending.chunks) == 3 + 6  # three joins (the prompt in the first), six recent
+    assert pending.chunks[1].shape[1] == sum(c.shape[1] for c in added[FEATURE_CHUNKS : 2 * FEATURE_CHUNKS])
+    whole = pending.joined()
+    assert torch.equal(whole, torch.cat(added, dim=1))
+    assert whole.untyped_storage().nbytes() == whole.numel() * whole.element_size()  # its own: pickles its rows alone
     pending.clear()
-    assert pending.rows == 0 and pending.buffer is buffer  # small: kept for the next rows
+    assert pending.rows == 0 and not pending.chunks
     chunk = torch.randn(1, 2, 6, generator=gen)
     pending.add(chunk)
-    assert torch.equal(pending.view(), chunk) and pending.buffer is buffer
-    pending.add(torch.randn(1, FEATURE_KEEP_ROWS, 6, generator=gen))
-    pending.clear()
-    assert pending.buffer is None
+    assert torch.equal(pending.joined(), chunk)
 
 
 def test_the_scheduler_asks_the_drafter_for_the_depths_the_policy_sets(tiny_checkpoint):

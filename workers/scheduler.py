@@ -55,11 +55,8 @@ from .policy import BudgetPolicy, CostCurve, SequenceEstimate, by_bucket, measur
 
 # Verify row counts Q a step may use: a budget-2^k tree (2^k + 1 rows) fills its bucket exactly.
 VERIFY_BUCKETS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1025, 2049)
-# a sequence's pending target features: room for this many rows past what its buffer must hold ...
-FEATURE_ROOM = 32
-# ... and a buffer past this many rows is let go once the drafter took them in (a long prompt's
-# rows are not held for the sequence's life)
-FEATURE_KEEP_ROWS = 256
+# a sequence's pending target features: the recent steps' are joined into one tensor when this many
+FEATURE_CHUNKS = 32
 # T(r) measured again mid-run (the live steps contradict it: BudgetPolicy.misfit) times the row
 # counts up to twice the step's rows, at least this many
 RECALIBRATION_ROWS = 129
@@ -149,38 +146,35 @@ class _Sequence:
 
 
 class PendingFeatures:
-    """A sequence's target features not yet given to the drafter, [1, rows, F], at the front of
-    one buffer: a step's rows are copied in (the buffer doubles when full) and the next rows are
-    written from the front again once the drafter took them in (`clear`).
+    """A sequence's target features not yet given to the drafter, [1, rows, F] in order, as a
+    few tensors: a step's rows are a view of that step's gathered features (no copy a step: on a
+    GPU a copy per sequence would be a kernel launch each), and every FEATURE_CHUNKS of those are
+    joined into one, so a sequence left idle holds a tensor per FEATURE_CHUNKS steps and each row
+    is copied once before its draft joins them all (`joined`).
 
-    Kept as a list of views of each step's gathered features, joined every 32 steps, an idle
-    auto sequence's whole context was copied again at every join (~40 ms of a 20 s pass at 64
-    streams) and each sequence held ~32 steps' gathered blocks alive."""
+    Joined whole every 32 steps before, an idle auto sequence's whole context was copied again at
+    every join (`torch.cat` ~40 ms of a 20 s pass at 64 streams)."""
 
     def __init__(self):
-        self.buffer: torch.Tensor | None = None
+        self.chunks: list[torch.Tensor] = []  # [1, n, F] each: the joined ones first, then the recent steps'
+        self.joined_chunks = 0  # how many of `chunks` are joined ones
         self.rows = 0  # what the next draft takes in (the plan asks every step)
 
     def add(self, features: torch.Tensor) -> None:
         """Appends [1, n, F] rows."""
-        n = features.shape[1]
-        if self.buffer is None or self.rows + n > self.buffer.shape[1]:
-            grown = features.new_empty(1, max(2 * self.rows, self.rows + n + FEATURE_ROOM), features.shape[2])
-            if self.rows:
-                grown[:, : self.rows] = self.buffer[:, : self.rows]
-            self.buffer = grown
-        self.buffer[:, self.rows : self.rows + n] = features
-        self.rows += n
+        self.chunks.append(features)
+        self.rows += features.shape[1]
+        if len(self.chunks) - self.joined_chunks >= FEATURE_CHUNKS:  # the recent steps' as one
+            self.chunks[self.joined_chunks :] = [torch.cat(self.chunks[self.joined_chunks :], dim=1)]
+            self.joined_chunks += 1
 
-    def view(self) -> torch.Tensor:
-        """[1, rows, F]: valid until the next `add` after a `clear`."""
-        return self.buffer[:, : self.rows]
+    def joined(self) -> torch.Tensor:
+        """[1, rows, F], a tensor of its own."""
+        return torch.cat(self.chunks, dim=1)
 
     def clear(self) -> None:
         """The drafter took them in."""
-        self.rows = 0
-        if self.buffer is not None and self.buffer.shape[1] > FEATURE_KEEP_ROWS:
-            self.buffer = None
+        self.chunks, self.joined_chunks, self.rows = [], 0, 0
 
 
 class Scheduler:
@@ -409,7 +403,7 @@ class Scheduler:
         if drafting:
             proposals = self.drafter.propose(DraftRows(
                 ids=[rows[b].id for b in drafting],
-                features=[rows[b].features.view() for b in drafting],
+                features=[rows[b].features.joined() for b in drafting],
                 bonus=[rows[b].output[-1] for b in drafting],
                 start=[rows[b].length for b in drafting],
                 top_k=[1 if rows[b].budget == "chain" else granted[b] for b in drafting],
@@ -489,8 +483,8 @@ class Scheduler:
             dst_slots = self.pool.slots(tables, starts + torch.arange(width)[None, :].where(kept, 0))[kept]
             moved = src_slots != dst_slots
             self.target.move(src_slots[moved], dst_slots[moved])
-        # the accepted paths' target features in one gather (a gather per row was 64 small
-        # copies a step at 64 streams), each row's then copied into its pending features
+        # the accepted paths' target features in one gather, each row's a view of it (a gather
+        # per row was 64 small copies a step at 64 streams)
         kept_features = None if out.features is None else out.features[
             torch.arange(len(rows))[:, None].expand(-1, width)[kept], paths[:, :width][kept]].split(lengths)
         t4 = time.perf_counter()
@@ -608,7 +602,7 @@ class Scheduler:
             result = Result(seq.output, seq.text, seq.finish_reason, seq.seed, seq.prefill_s,
                             now - seq.decode_started if seq.decode_started else 0.0, seq.rounds)
             if self.record_features:  # every committed token's, in order (the last, pending, has none yet)
-                result.features = seq.features.view()[0].clone()
+                result.features = seq.features.joined()[0]
         return Update(new, seq.rounds[-1] if seq.rounds else None, result)
 
     def _retire(self, seq: _Sequence) -> None:
