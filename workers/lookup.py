@@ -145,14 +145,15 @@ class SequenceLookup:
         """The branch below the pending bonus output[-1]; the index first takes the output
         tokens it has not seen. None as well where the branch's first node would be no more
         probable than `floor` (no deeper node of a chain is more probable than its first)."""
-        if floor and all(self.calibration.probability(n, 1) <= floor for n in range(1, MAX_NGRAM + 1)):
+        first = {n: self.calibration.probability(n, 1) for n in range(1, MAX_NGRAM + 1)} if floor else {}
+        if floor and max(first.values()) <= floor:
             self.last = None  # no match could pass: the index need not catch up yet
             return None
         if self.index is None:
             self.index = NgramIndex(self.prompt)
         self.index.extend(output[len(self.index.tokens) - len(self.prompt) :])
         tokens, ngram = self.index.propose(length)
-        if tokens and floor and self.calibration.probability(ngram, 1) <= floor:
+        if tokens and floor and first[ngram] <= floor:
             tokens = []
         self.last = self.calibration.branch(tokens, ngram) if tokens else None
         return self.last

@@ -114,37 +114,6 @@ def grant(asked: list[int], limits: BatchLimits) -> tuple[list[int], int]:
     return [min(a, cap - 1) for a in asked], cap
 
 
-@dataclass(eq=False)  # one sequence is itself alone: `in` and `remove` compare identity, not every field
-class _Sequence:
-    """One request's state. Invariant between steps once prefilled: the pool holds positions
-    [0, length) -- every committed token but the pending bonus output[-1], which sits at
-    position `length`."""
-
-    id: int
-    request: Request
-    budget: Budget
-    seed: int | None
-    arrived: float
-    context: list[int]  # tokens to prefill: the prompt, or prompt + output[:-1] after a preemption
-    output: list[int] = field(default_factory=list)  # emitted completion tokens (pending bonus last)
-    pages: list[int] = field(default_factory=list)  # block table in the KV pool
-    length: int = 0  # positions of `context` in the pool (== len(context) once prefilled)
-    features: "PendingFeatures" = field(default_factory=lambda: PendingFeatures())  # not yet given to the drafter
-    drafting: bool = False  # the drafter holds a context cache for this sequence (set once prefilled)
-    rounds: list[RoundStats] = field(default_factory=list)
-    estimate: SequenceEstimate | None = None  # budget "auto": what the policy knows of this sequence
-    lookup: SequenceLookup | None = None  # lookup branches on: its context's n-grams and their calibration
-    sent: int = 0  # output tokens already emitted
-    prefill_s: float = 0.0
-    decode_started: float = 0.0
-    finish_reason: str | None = None
-    text: str | None = None
-
-    @property
-    def prefilled(self) -> bool:
-        return self.length >= len(self.context)
-
-
 class PendingFeatures:
     """A sequence's target features not yet given to the drafter, [1, rows, F] in order, as a
     few tensors: a step's rows are a view of that step's gathered features (no copy a step: on a
@@ -175,6 +144,37 @@ class PendingFeatures:
     def clear(self) -> None:
         """The drafter took them in."""
         self.chunks, self.joined_chunks, self.rows = [], 0, 0
+
+
+@dataclass(eq=False)  # one sequence is itself alone: `in` and `remove` compare identity, not every field
+class _Sequence:
+    """One request's state. Invariant between steps once prefilled: the pool holds positions
+    [0, length) -- every committed token but the pending bonus output[-1], which sits at
+    position `length`."""
+
+    id: int
+    request: Request
+    budget: Budget
+    seed: int | None
+    arrived: float
+    context: list[int]  # tokens to prefill: the prompt, or prompt + output[:-1] after a preemption
+    output: list[int] = field(default_factory=list)  # emitted completion tokens (pending bonus last)
+    pages: list[int] = field(default_factory=list)  # block table in the KV pool
+    length: int = 0  # positions of `context` in the pool (== len(context) once prefilled)
+    features: PendingFeatures = field(default_factory=PendingFeatures)  # not yet given to the drafter
+    drafting: bool = False  # the drafter holds a context cache for this sequence (set once prefilled)
+    rounds: list[RoundStats] = field(default_factory=list)
+    estimate: SequenceEstimate | None = None  # budget "auto": what the policy knows of this sequence
+    lookup: SequenceLookup | None = None  # lookup branches on: its context's n-grams and their calibration
+    sent: int = 0  # output tokens already emitted
+    prefill_s: float = 0.0
+    decode_started: float = 0.0
+    finish_reason: str | None = None
+    text: str | None = None
+
+    @property
+    def prefilled(self) -> bool:
+        return self.length >= len(self.context)
 
 
 class Scheduler:
@@ -589,7 +589,8 @@ class Scheduler:
         self.running.remove(seq)
         self.pool.release(seq.pages)
         self._stop_drafting(seq)
-        seq.length, seq.features = 0, PendingFeatures()
+        seq.length = 0
+        seq.features.clear()
         seq.context = list(seq.request.prompt) + seq.output[:-1]
         self.waiting.appendleft(seq)
 
