@@ -220,3 +220,92 @@ def test_attention_routes_only_what_the_kernel_computes():
     assert not cpu_attention(torch.zeros(2, 3, 64), ATTENTION_MAX_ROWS + 1)
     assert not cpu_attention(torch.zeros(2, 3, 60), 9)
     assert not cpu_attention(torch.zeros(2, 3, 64, dtype=torch.float64), 9)
+
+
+# --- row-wise ops -------------------------------------------------------------------------------
+
+ROW_SHAPES = [(1, 8), (3, 13), (9, 576), (17, 64), (300, 100)]  # 13 and 100: a tail past the 8 partial sums; 300 rows split over threads
+
+
+def rows_alone_and_together(op, *inputs):
+    """Each row's result of one call on every row, against the 1-row calls, with 1 and 2
+    threads: bitwise the same (batch invariance, as float_mm's)."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [op(*(t[i : i + 1] for t in inputs)) for i in range(len(inputs[0]))]
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            together = op(*inputs)
+            for i, one in enumerate(alone):
+                for a, b in zip(together if isinstance(together, tuple) else (together,),
+                                one if isinstance(one, tuple) else (one,)):
+                    assert torch.equal(a[i : i + 1], b), (i, t)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("rows,d", ROW_SHAPES)
+def test_rms_norm_and_add_rms_norm_equal_float64_and_do_not_depend_on_their_batch(rows, d):
+    gen = torch.Generator().manual_seed(rows * 1000 + d)
+    x, r, w = torch.randn(rows, d, generator=gen), torch.randn(rows, d, generator=gen), torch.randn(d, generator=gen)
+    want = F.rms_norm(x.double(), (d,), w.double(), 1e-5)
+    got = torch.ops.ddtree_cpu.rms_norm(x, w, 1e-5)
+    assert got.shape == x.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    total, normed = torch.ops.ddtree_cpu.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(total, x + r)
+    torch.testing.assert_close(normed.double(), F.rms_norm((x + r).double(), (d,), w.double(), 1e-5), rtol=1e-5, atol=1e-6)
+    rows_alone_and_together(lambda a: torch.ops.ddtree_cpu.rms_norm(a, w, 1e-5), x)
+    rows_alone_and_together(lambda a, b: torch.ops.ddtree_cpu.add_rms_norm(a, b, w, 1e-5), x, r)
+
+
+@pytest.mark.parametrize("rows,d", ROW_SHAPES)
+def test_silu_mul_equals_float64_on_the_views_of_one_fused_output(rows, d):
+    """gate and up as the MLP has them: the two halves of one [rows, 2I] GEMM output (row
+    stride 2I), read in place; gates far past exp's range (-100, 100) included."""
+    gen = torch.Generator().manual_seed(rows + d)
+    fused = torch.randn(rows, 2 * d, generator=gen) * 4
+    fused[0, 0], fused[-1, -d] = -100.0, 100.0
+    gate, up = fused.split(d, dim=-1)
+    want = F.silu(gate.double()) * up.double()
+    got = torch.ops.ddtree_cpu.silu_mul(gate, up)
+    assert got.shape == gate.shape and got.is_contiguous()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(torch.ops.ddtree_cpu.silu_mul(gate.contiguous(), up.contiguous()), got)
+    rows_alone_and_together(torch.ops.ddtree_cpu.silu_mul, gate, up)
+
+
+@pytest.mark.parametrize("rows,heads,kv_heads,d", [(1, 9, 3, 64), (5, 4, 2, 8), (300, 2, 1, 16)])
+def test_rope_qk_is_apply_rope_of_both_on_the_views_of_one_fused_output(rows, heads, kv_heads, d):
+    """q and k as attention has them: views of one [rows, (Hq + 2 Hkv) D] GEMM output; cos and
+    sin [rows, 1, D] as the forward makes them (a transposed view): the rotated [rows, Hq + Hkv, D]
+    that apply_rope of their concatenation gives, to float rounding."""
+    gen = torch.Generator().manual_seed(rows + heads + d)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=gen)
+    q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k = q.view(rows, heads, d), k.view(rows, kv_heads, d)
+    angles = torch.rand(1, 1, rows, d // 2, generator=gen, dtype=torch.float64) * 100
+    cos, sin = (f(torch.cat([angles, angles], -1)).float()[0].transpose(0, 1) for f in (torch.cos, torch.sin))
+    want = model.apply_rope(torch.cat([q, k], dim=-2).double(), cos.double(), sin.double())
+    got = torch.ops.ddtree_cpu.rope_qk(q, k, cos, sin)
+    assert got.shape == (rows, heads + kv_heads, d)
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    rows_alone_and_together(torch.ops.ddtree_cpu.rope_qk, q, k, cos, sin)
+
+
+def test_row_ops_serve_inference_and_gradients_take_torch():
+    """The model's norm, gating and rotation take the one-op kernels in inference (each within
+    float rounding of torch's ops); with gradients on (training a drafter) they are torch's, and
+    the gradient flows."""
+    norm = model.RMSNorm(16, 1e-6)
+    x, r = torch.randn(3, 16), torch.randn(3, 16)
+    with torch.inference_mode():
+        assert model.row_ops(x, norm.weight)
+        total, normed = norm.add_forward(x, r)
+        torch.testing.assert_close(normed, F.rms_norm(x + r, (16,), norm.weight, 1e-6))
+        assert torch.equal(normed, torch.ops.ddtree_cpu.rms_norm(total, norm.weight, 1e-6))
+        assert not model.row_ops(x.double())
+    assert not model.row_ops(x)  # gradients on
+    norm.add_forward(x, r)[1].sum().backward()
+    assert norm.weight.grad is not None

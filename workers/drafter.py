@@ -369,12 +369,14 @@ class DraftLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(self, x, block_rope, ctx, ctx_rope, layer, cache):
-        x = x + self.self_attn(self.input_layernorm(x), block_rope, ctx, ctx_rope, layer, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(
+            x, self.self_attn(self.input_layernorm(x), block_rope, ctx, ctx_rope, layer, cache))
+        return x + self.mlp(h)
 
     def forward_blocks(self, x, block_rope, ctx, ctx_rope, visible):
-        x = x + self.self_attn.forward_blocks(self.input_layernorm(x), block_rope, ctx, ctx_rope, visible)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(
+            x, self.self_attn.forward_blocks(self.input_layernorm(x), block_rope, ctx, ctx_rope, visible))
+        return x + self.mlp(h)
 
 
 class DFlashDrafter(nn.Module):

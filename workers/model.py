@@ -222,6 +222,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [*rows, Hq, D] and k [*rows, Hkv, D] rotated (apply_rope; cos, sin [*rows, 1, D]): one
+    op where `row_ops` serves, else one set of torch ops for both."""
+    if row_ops(q, k, cos, sin):
+        both = torch.ops.ddtree_cpu.rope_qk(q, k, cos, sin)
+    else:
+        both = apply_rope(torch.cat([q, k], dim=-2), cos, sin)
+    return both.split([q.shape[-2], k.shape[-2]], dim=-2)
+
+
 # --- building blocks ------------------------------------------------------------------------
 
 
@@ -235,7 +245,37 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         if dtype in (torch.float16, torch.bfloat16):  # normalise in fp32, as the reference does
             return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(dtype)
+        if row_ops(x, self.weight):
+            return torch.ops.ddtree_cpu.rms_norm(x, self.weight, self.eps)
         return F.rms_norm(x, x.shape[-1:], self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + r, this norm of it): a residual add and the norm after it, one op where
+        `row_ops` serves."""
+        if row_ops(x, self.weight) and r.dtype == x.dtype:
+            return torch.ops.ddtree_cpu.add_rms_norm(x, r, self.weight, self.eps)
+        x = x + r
+        return x, self(x)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, one op where `row_ops` serves."""
+    if row_ops(gate, up):
+        return torch.ops.ddtree_cpu.silu_mul(gate, up)
+    return F.silu(gate) * up
+
+
+def row_ops(*tensors: torch.Tensor) -> bool:
+    """Whether the row-wise steps between a layer's GEMMs (norms, the residual add before the
+    MLP's norm, the MLP's gating) run as ddtree_cpu's one-op kernels: for fp32 on the CPU where
+    `linear` takes float_mm, without gradients (the kernels have no backward). At the few rows of
+    decoding each torch op's first call after a GEMM costs tens of microseconds whatever its size
+    (workers/cpu_gemm.cpp, "row-wise ops"): SmolLM2's plain decoding at one stream ran 1.06-1.2x
+    as fast with the norm alone as one op."""
+    for t in tensors:
+        if t.dtype != torch.float32 or not t.is_cpu:
+            return False
+    return not torch.is_grad_enabled() and fp32_route() == "float_mm"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -422,7 +462,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(gate, up))
 
 
 def attend(q, k, v, mask):
@@ -584,8 +624,8 @@ class Attention(nn.Module):
         v = v.view(*rows, self.kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        # queries and keys rotate together: one set of ops for both
-        q, k = apply_rope(torch.cat([q, k], dim=-2), cos, sin).split([self.heads, self.kv_heads], dim=-2)
+        # queries and keys rotate together, into one tensor
+        q, k = rope_qk(q, k, cos, sin)
         if packing is not None and view.packs:  # the CPU kernel takes the real rows as they are
             return self.o_proj(view.attend_rows(layer, q, k, v, packing).flatten(1))
         if packing is not None:  # attention runs per sequence, in the padded layout
@@ -606,8 +646,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, layer, view, reduce, packing=None):
         """`reduce` sums the partial outputs of tensor-parallel shards (identity in one process)."""
-        x = x + reduce(self.self_attn(self.input_layernorm(x), cos, sin, layer, view, packing))
-        return x + reduce(self.mlp(self.post_attention_layernorm(x)))
+        x, h = self.post_attention_layernorm.add_forward(
+            x, reduce(self.self_attn(self.input_layernorm(x), cos, sin, layer, view, packing)))
+        return x + reduce(self.mlp(h))
 
 
 class _Backbone(nn.Module):
