@@ -195,6 +195,12 @@ def test_padding_rows_are_skipped_and_real_rows_unchanged():
     alone = torch.ops.ddtree_cpu.tree_attention(real, k, v, slots * (kv_heads * head_dim), kv_heads, head_dim, lengths,
                                                 mask, 1.0 / head_dim ** 0.5, rows, True)
     assert torch.equal(alone, torch.cat([padded[b, :, :n].transpose(0, 1) for b, n in enumerate(rows.tolist())]))
+    # read in place where each row's heads lie contiguous: the query heads of a wider tensor
+    # (as attention splits them from the rotated queries and keys of one op), its rows strided
+    wide = torch.cat([real, torch.randn(real.shape[0], 2, real.shape[2])], dim=1)[:, : real.shape[1]]
+    assert not wide.is_contiguous()
+    assert torch.equal(torch.ops.ddtree_cpu.tree_attention(wide, k, v, slots * (kv_heads * head_dim), kv_heads, head_dim,
+                                                           lengths, mask, 1.0 / head_dim ** 0.5, rows, True), alone)
     with pytest.raises(RuntimeError, match="rows sum to 14"):
         torch.ops.ddtree_cpu.tree_attention(real[1:], k, v, slots * (kv_heads * head_dim), kv_heads, head_dim,
                                             lengths, mask, 0.125, rows, True)

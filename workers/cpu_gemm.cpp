@@ -854,7 +854,11 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   TORCH_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == Q && mask.size(2) == Q && mask.scalar_type() == at::kBool,
               "mask must be [B, Q, Q] bool");
   const int64_t S = offsets.size(1);
-  at::Tensor qc = q.contiguous(), oc = offsets.contiguous(), lc = lengths.contiguous(), mc = mask.contiguous();
+  // packed queries are read in place where each row's heads lie contiguous (q split from the
+  // rotated q and k of one op), not copied once more a layer
+  at::Tensor qc = packed && q.stride(2) == 1 && q.stride(1) == D ? q : q.contiguous();
+  at::Tensor oc = offsets.contiguous(), lc = lengths.contiguous(), mc = mask.contiguous();
+  const int64_t q_row = packed ? qc.stride(0) : Hq * D;
   const int64_t* len = lc.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b)
     TORCH_CHECK(len[b] >= 0 && len[b] + Q <= S, "sequence ", b, ": ", len[b], " + ", Q, " positions exceed the ", S, " offsets");
@@ -876,8 +880,9 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   TORCH_CHECK(!packed || total == q.size(0), "packed q has ", q.size(0), " rows; rows sum to ", total);
   at::Tensor out = packed ? at::empty({q.size(0), Hq, D}, q.options())
                           : rows.has_value() ? at::zeros({B, Hq, Q, D}, q.options()) : at::empty({B, Hq, Q, D}, q.options());
-  // where row i of sequence b, query head h, lies in q and out
+  // where row i of sequence b, query head h, lies in out, and in q
   auto at_row = [&](int64_t b, int64_t h, int64_t i) { return packed ? ((start[b] + i) * Hq + h) * D : ((b * Hq + h) * Q + i) * D; };
+  auto q_at = [&](int64_t b, int64_t h, int64_t i) { return packed ? (start[b] + i) * q_row + h * D : at_row(b, h, i); };
   const float *qp = qc.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const int64_t* off = oc.data_ptr<int64_t>();
   const bool* mp = mc.data_ptr<bool>();
@@ -910,7 +915,7 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
       float* scores[TILE_ROWS];
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t h = g * per_kv + (first + r) / nb, i = (first + r) % nb;
-        qrows[r] = qp + at_row(b, h, i);
+        qrows[r] = qp + q_at(b, h, i);
         scores[r] = buffer.data() + r * (S + HEAD_LANES);
       }
       for (int64_t p = 0; p < context; ++p) keys[p] = off[b * S + p] + head;

@@ -180,5 +180,5 @@ class PagedView:
         pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
         pool_k.index_copy_(0, self._row_slots, k.to(pool_k.dtype))
         pool_v.index_copy_(0, self._row_slots, v.to(pool_v.dtype))
-        return torch.ops.ddtree_cpu.tree_attention(q.contiguous(), pool_k, pool_v, self.offsets, kv_heads, head_dim,
+        return torch.ops.ddtree_cpu.tree_attention(q, pool_k, pool_v, self.offsets, kv_heads, head_dim,
                                                    self.lengths, self.mask, 1.0 / math.sqrt(head_dim), self.rows, True)
