@@ -272,7 +272,7 @@ def test_silu_mul_equals_float64_on_the_views_of_one_fused_output(rows, d):
     stride 2I), read in place; gates far past exp's range (-100, 100) included."""
     gen = torch.Generator().manual_seed(rows + d)
     fused = torch.randn(rows, 2 * d, generator=gen) * 4
-    fused[0, 0], fused[-1, -d] = -100.0, 100.0
+    fused[0, 0], fused[-1, d - 1] = -100.0, 100.0  # the first row's first gate, the last row's last
     gate, up = fused.split(d, dim=-1)
     want = F.silu(gate.double()) * up.double()
     got = torch.ops.ddtree_cpu.silu_mul(gate, up)
@@ -312,6 +312,14 @@ def test_row_ops_serve_inference_and_gradients_take_torch():
         torch.testing.assert_close(normed, F.rms_norm(x + r, (16,), norm.weight, 1e-6))
         assert torch.equal(normed, torch.ops.ddtree_cpu.rms_norm(total, norm.weight, 1e-6))
         assert not model.row_ops(x.double())
+        gate, up = torch.randn(3, 8), torch.randn(3, 8)
+        assert torch.equal(model.silu_mul(gate, up), torch.ops.ddtree_cpu.silu_mul(gate, up))
+        q, k, cos, sin = torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.randn(3, 1, 8)
+        rotated = torch.ops.ddtree_cpu.rope_qk(q, k, cos, sin)
+        assert all(torch.equal(a, b) for a, b in zip(model.rope_qk(q, k, cos, sin), (rotated[:, :4], rotated[:, 4:])))
     assert not model.row_ops(x)  # gradients on
+    assert torch.equal(model.silu_mul(gate, up), F.silu(gate) * up)
+    assert all(torch.equal(a, b) for a, b in zip(model.rope_qk(q, k, cos, sin),
+                                                 model.apply_rope(torch.cat([q, k], dim=-2), cos, sin).split([4, 2], dim=-2)))
     norm.add_forward(x, r)[1].sum().backward()
     assert norm.weight.grad is not None

@@ -1006,6 +1006,12 @@ inline float row_inverse_rms(const float* x, int64_t D, float eps) {
   return 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
 }
 
+// o = a * w / sqrt(mean(a^2) + eps), one row of D
+inline void normalize_row(const float* a, const float* w, int64_t D, float eps, float* o) {
+  const float inv = row_inverse_rms(a, D, eps);
+  for (int64_t i = 0; i < D; ++i) o[i] = a[i] * inv * w[i];
+}
+
 void check_rows(const at::Tensor& t, const char* name, int64_t D) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "ddtree_cpu: ", name, " must be a float32 CPU tensor");
   TORCH_CHECK(t.dim() >= 1 && t.size(-1) == D, "ddtree_cpu: ", name, " has ", t.size(-1), " columns, expected ", D);
@@ -1024,12 +1030,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   float* po = out.data_ptr<float>();
   const float e = static_cast<float>(eps);
   at::parallel_for(0, D ? xc.numel() / D : 0, ROW_GRAIN, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) {
-      const float* a = px + r * D;
-      float* o = po + r * D;
-      const float inv = row_inverse_rms(a, D, e);
-      for (int64_t i = 0; i < D; ++i) o[i] = a[i] * inv * pw[i];
-    }
+    for (int64_t r = lo; r < hi; ++r) normalize_row(px + r * D, pw, D, e, po + r * D);
   });
   return out;
 }
@@ -1049,22 +1050,21 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   at::parallel_for(0, D ? xc.numel() / D : 0, ROW_GRAIN, [&](int64_t lo, int64_t hi) {
     for (int64_t row = lo; row < hi; ++row) {
       float* s = ps + row * D;
-      float* o = po + row * D;
       for (int64_t i = 0; i < D; ++i) s[i] = px[row * D + i] + pr[row * D + i];
-      const float inv = row_inverse_rms(s, D, e);
-      for (int64_t i = 0; i < D; ++i) o[i] = s[i] * inv * pw[i];
+      normalize_row(s, pw, D, e, po + row * D);
     }
   });
   return {sum, out};
 }
 
 at::Tensor rope_qk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK(q.dim() >= 2 && k.dim() == q.dim() && q.size(-1) % 2 == 0,
+              "ddtree_cpu.rope_qk: q, k [..., heads, D] with D even");
   const int64_t D = q.size(-1), Hq = q.size(-2), Hk = k.size(-2), half = D / 2;
   check_rows(q, "q", D);
   check_rows(k, "k", D);
   check_rows(cos, "cos", D);
   check_rows(sin, "sin", D);
-  TORCH_CHECK(D % 2 == 0 && q.dim() >= 2 && k.dim() == q.dim(), "ddtree_cpu.rope_qk: q, k [..., heads, D] with D even");
   // [M, H, D] views where the rows allow (q and k split from one fused GEMM's output), else copies
   at::Tensor qv = q.reshape({-1, Hq, D}), kv = k.reshape({-1, Hk, D});
   at::Tensor cv = cos.reshape({-1, D}), sv = sin.reshape({-1, D});

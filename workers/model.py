@@ -252,7 +252,7 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + r, this norm of it): a residual add and the norm after it, one op where
         `row_ops` serves."""
-        if row_ops(x, self.weight) and r.dtype == x.dtype:
+        if row_ops(x, r, self.weight):
             return torch.ops.ddtree_cpu.add_rms_norm(x, r, self.weight, self.eps)
         x = x + r
         return x, self(x)
@@ -267,7 +267,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def row_ops(*tensors: torch.Tensor) -> bool:
     """Whether the row-wise steps between a layer's GEMMs (norms, the residual add before the
-    MLP's norm, the MLP's gating) run as ddtree_cpu's one-op kernels: for fp32 on the CPU where
+    MLP's norm, the MLP's gating, the rotation) run as ddtree_cpu's one-op kernels: for fp32 on the CPU where
     `linear` takes float_mm, without gradients (the kernels have no backward). At the few rows of
     decoding each torch op's first call after a GEMM costs tens of microseconds whatever its size
     (workers/cpu_gemm.cpp, "row-wise ops"): SmolLM2's plain decoding at one stream ran 1.06-1.2x
