@@ -79,9 +79,12 @@ class Candidates:
         if logprobs.shape[0] == 0 or k <= 0:
             return cls([], [])
         logprobs = logprobs.double()
-        vals, ids = logprobs.topk(k, dim=-1)
+        # one more than k: a value outside the pick equal to the k-th is the (k+1)-th or ties it
+        # (counting the k-th's equals over the whole row was a second pass over the vocabulary)
+        vals, ids = logprobs.topk(min(k + 1, logprobs.shape[1]), dim=-1)
+        boundary_tie = (vals[:, k] == vals[:, k - 1]).tolist() if vals.shape[1] > k else [False] * len(vals)
+        vals, ids = vals[:, :k], ids[:, :k]
         kth = vals[:, -1:]
-        boundary_tie = ((logprobs == kth).sum(-1) != (vals == kth).sum(-1)).tolist()
         ids, by_id = ids.sort(dim=-1)
         vals, order = vals.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
         values, tokens = vals.tolist(), ids.gather(-1, order).tolist()
