@@ -13,7 +13,8 @@ from ddtree.config import SamplingParams
 from ddtree.kernels.tree import Candidates, Lookup, build_tree, grow_tree
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.policy import (DEPTH_MARGIN, DRAFT_FORGET, EMA, EXPLORE, EXPLORE_SHARE, FIRST_PROBE, HOPELESS_SHARE, HORIZON,
-                                    MIN_DRAFT_DEPTH, MIN_YIELD, MISFIT_STEPS, PLAIN_REFRESH, PLAIN_SEEN, ROW_FACTOR_FLOOR,
+                                    MIN_DRAFT_DEPTH, MIN_DRAFT_WIDTH, MIN_YIELD, MISFIT_STEPS, PLAIN_REFRESH, PLAIN_SEEN,
+                                    ROW_FACTOR_FLOOR, WIDTH_FACTOR,
                                     Acceptance,
                                     BudgetPolicy, CostCurve, TreeNodes, bin_of, by_bucket, tree_gains)
 from ddtree.workers.requests import Request
@@ -589,6 +590,21 @@ def test_an_auto_sequence_drafts_only_as_deep_as_its_trees_reach():
     assert estimate.draft_depth(15) == 15 and estimate.draft_depth(2) == 2
 
 
+def test_an_auto_sequence_drafts_only_as_wide_as_its_trees_grow():
+    """The policy grants a best-first prefix of each drafted tree: at 1-64 streams it chose 0-18
+    nodes of the 64 drafted, and the rest was grown, priced and kept for hindsight every step.
+    After its first draft a sequence's tree is grown to WIDTH_FACTOR times its last chosen
+    tree's nodes, at least MIN_DRAFT_WIDTH, at most the step's cap."""
+    estimate = BudgetPolicy().sequence()
+    assert estimate.draft_width(64) == 64  # nothing known yet: the cap
+    estimate.nodes = 0
+    assert estimate.draft_width(64) == MIN_DRAFT_WIDTH
+    estimate.nodes = MIN_DRAFT_WIDTH
+    assert estimate.draft_width(64) == WIDTH_FACTOR * MIN_DRAFT_WIDTH
+    estimate.nodes = 40
+    assert estimate.draft_width(64) == 64 and estimate.draft_width(8) == 8
+
+
 def test_every_committed_row_reaches_the_drafter_once_with_its_own_features(tiny_checkpoint):
     """The plan prices the target features an auto sequence gathered since its last draft (its
     whole prompt when new, every token since when idle) from a count it asks for every step
@@ -672,10 +688,11 @@ def test_the_scheduler_asks_the_drafter_for_the_depths_the_policy_sets(tiny_chec
     drafter = DFlashDrafter.untrained(target, block_size=16, seed=7)
     scheduler = Scheduler.local(target, drafter, "auto", BatchLimits(max_num_seqs=2, max_step_tokens=2 * 33),
                                 policy=FixedCosts(CostCurve({1: 0.01, 66: 0.0101})))
-    asked, propose = [], scheduler.drafter.propose
+    asked, widths, propose = [], [], scheduler.drafter.propose
 
     def recording(rows):
         asked.append(list(rows.depths))
+        widths.extend(rows.top_k)
         return propose(rows)
 
     scheduler.drafter.propose = recording
@@ -688,6 +705,11 @@ def test_the_scheduler_asks_the_drafter_for_the_depths_the_policy_sets(tiny_chec
     deepest = [len(r.drafted_per_depth) for r in result.rounds]  # each chosen tree's depth
     for step, previous in zip(depths[1:], deepest):  # each draft: the last chosen tree's depth + margin
         assert step == min(most, max(MIN_DRAFT_DEPTH, previous + DEPTH_MARGIN)), (depths, deepest)
+    # and each drafted tree as wide as twice its last chosen one (the first: the step's cap, Q 65)
+    chosen = [r.tree_size - 1 for r in result.rounds if r.draft_s > 0]
+    assert widths[0] == 64 and len(widths) == len(chosen) > 1
+    for width, previous in zip(widths[1:], chosen):
+        assert width == min(64, max(MIN_DRAFT_WIDTH, WIDTH_FACTOR * previous)), (widths, chosen)
 
 
 def test_the_drafters_nodes_are_calibrated_by_their_probability_not_their_depth():

@@ -147,6 +147,8 @@ SIZE_PRIOR = 2.0  # a rank group's correction starts from its source's as if thi
 HORIZON = 16  # the most rounds over which the plan spreads a sequence's context catch-up (`priced_context`)
 MIN_DRAFT_DEPTH = 4  # an auto sequence's draft asks for at least this many depths ...
 DEPTH_MARGIN = 2  # ... and this many past its last chosen tree's depth
+MIN_DRAFT_WIDTH = 16  # an auto sequence's drafted tree holds at most this many nodes ...
+WIDTH_FACTOR = 2  # ... or this many times its last chosen tree's, if more (`draft_width`)
 CONTEXT_ROWS = 8  # a draft taking in more context rows a sequence than this teaches c, not D(n)
 MISFIT = 2.0  # a target forward that took over this times, or under 1 / this of, what T(r) predicted ...
 MISFIT_STEPS = 8  # ... in this many steps in a row (doubling with each re-measurement) has T(r) measured again
@@ -390,7 +392,8 @@ class SequenceEstimate:
     idle: int = 0  # steps since it last drafted
     probe_after: int = FIRST_PROBE
     probed: int | None = None  # the band of the batch it was last probed in, until its next plan says if it drafts
-    depth: int | None = None  # the depth of its last tree the policy chose (None until it drafted once)
+    depth: int | None = None  # the depth of its last tree the policy chose (None until it drafted once) ...
+    nodes: int | None = None  # ... and its drafted nodes
     drafted: int = 0  # its drafted trees so far
     context: int = 0  # target features its next draft takes in (the scheduler sets it each step) ...
     remaining: int | None = None  # ... and the tokens it may still emit (None: unknown)
@@ -421,6 +424,17 @@ class SequenceEstimate:
         if self.depth is None:
             return most
         return max(1, min(most, max(MIN_DRAFT_DEPTH, self.depth + DEPTH_MARGIN)))
+
+    def draft_width(self, most: int) -> int:
+        """The nodes its next drafted tree is grown to (and the drafter's top-k per depth):
+        WIDTH_FACTOR times its last chosen tree's, at least MIN_DRAFT_WIDTH, at most `most` (all
+        of them until it drafted once). The policy grants a best-first prefix of the tree, and
+        at 1-64 streams chose 0-18 nodes of the 64 drafted (run AR): the rest was grown, priced
+        and kept for hindsight each step (~0.4 ms a step of 4 sequences growing them alone).
+        The factor lets a tree double each step as acceptance rises."""
+        if self.nodes is None:
+            return most
+        return max(1, min(most, max(MIN_DRAFT_WIDTH, WIDTH_FACTOR * self.nodes)))
 
 
 @dataclass

@@ -396,8 +396,8 @@ class Scheduler:
                 else self.policy.plan(len(rows), len(fixed), buckets, estimates, fixed_asked))
         probed = {rows[auto[i]].id for i in self.policy.probed}  # ids: `_reserve` may drop rows
         auto = [b for b, drafts in zip(auto, plan) if drafts]
-        for b in auto:
-            granted[b] = buckets[-1] - 1
+        for b in auto:  # each drafted tree grown as wide as the policy may grant it (`draft_width`)
+            granted[b] = rows[b].estimate.draft_width(buckets[-1] - 1)
         drafting = sorted(fixed + auto)
         candidates, context = {}, sum(pending[b] for b in drafting)
         if drafting:
@@ -420,7 +420,8 @@ class Scheduler:
         # an auto sequence the plan left out verifies its lookup branch alone, if it has one
         auto_trees = sorted(set(auto) | {b for b in branches if rows[b].budget == "auto"})
         for b in auto_trees:
-            granted[b] = buckets[-1] - 1
+            if b not in candidates:
+                granted[b] = buckets[-1] - 1
         # a lookup chain alone is grown once the step's Q is chosen (most steps of a busy batch
         # choose Q = 1): its gains follow from the chain's probabilities
         t_grow = time.perf_counter()
@@ -439,7 +440,7 @@ class Scheduler:
                 granted[b] = nodes
                 if b in candidates:
                     trees[b] = trees[b].prefix(nodes)
-                    rows[b].estimate.depth = int(trees[b].depths.max())
+                    rows[b].estimate.depth, rows[b].estimate.nodes = int(trees[b].depths.max()), nodes
                 elif nodes:
                     trees[b] = grow_tree(rows[b].output[-1], None, nodes, branches[b])
         draft_s = [(t1 - t0) / len(drafting) if b in candidates else 0.0 for b in range(len(rows))]
