@@ -48,7 +48,7 @@ import torch
 from ddtree import load_bench
 from ddtree.bench import read_prompts
 from ddtree.config import ModelPairConfig, parse_budget
-from ddtree.engine import Engine
+from ddtree.engine import Engine, freeze_startup
 
 DATA = Path(__file__).parent / "data"
 FILES = ("gsm8k-test.jsonl", "humaneval.jsonl", "vicuna-bench.jsonl")
@@ -106,6 +106,7 @@ def main() -> None:
     render = lambda texts: [engine.render_chat([{"role": "user", "content": t}]) for t in texts]  # noqa: E731
     # warm-up: kernels, and the policy's first look
     load_bench.run_inprocess(engine, render(mixed_prompts(args.per_file)), "auto", 4, args.warm_up, 32)
+    freeze_startup()  # as a replica does: one engine for the process's life
     files = tuple(args.files.split(","))
     prompts = render(mixed_prompts(args.per_file, files))
 

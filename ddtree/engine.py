@@ -8,6 +8,7 @@ models and the step loop live in Ray actors (workers.distributed) behind the sam
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -93,6 +94,19 @@ def batch_limits(config: ModelPairConfig, model: ModelConfig, dtype: torch.dtype
         tokens = max(tokens, config.kv_page_tokens * 4)
     return BatchLimits(config.max_num_seqs, config.max_waiting, config.max_prefill_tokens, config.max_step_tokens,
                        tokens, config.kv_page_tokens)
+
+
+def freeze_startup() -> None:
+    """For a process that holds one engine for its life (a Serve replica, a benchmark): every
+    object alive now -- the imports, the models' modules, the tokenizer: ~370k objects the cycle
+    collector tracks for SmolLM2 -- leaves the collector's reach (`gc.freeze`), so a full
+    collection scans only what the step loop made since. Scanned whole, a full collection took
+    144 ms, a stall of every stream, about once in two 18 s passes at 64 streams under `budget:
+    auto` (whose step loop makes more objects than plain decoding's). Not for a process that
+    makes and drops engines: an engine is a reference cycle (its scheduler holds its `decode`),
+    and a dropped frozen one is never collected."""
+    gc.collect()
+    gc.freeze()
 
 
 @dataclass

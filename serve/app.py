@@ -56,5 +56,5 @@ def build_app(args: dict | ServeConfig | None = None) -> Application:
         "graceful_shutdown_timeout_s": config.graceful_shutdown_timeout_s,
     }
     logger.info("ddtree app: %s; engine %s; ingress %s", config.model_dump(), engine_options, ingress_options)
-    engine = serve.deployment(EngineServer).options(**engine_options).bind(config.model_dump())
+    engine = serve.deployment(EngineServer).options(**engine_options).bind(config.model_dump(), replica=True)
     return OpenAIIngress.options(**ingress_options).bind(config.model_dump(), engine)

@@ -26,7 +26,7 @@ from typing import AsyncIterator
 import torch
 
 from ..config import SamplingParams
-from ..engine import Engine
+from ..engine import Engine, freeze_startup
 from ..kernels.sampling import draw_seed
 from ..workers.requests import Request, Update
 from ..workers.scheduler import QueueFull, Scheduler
@@ -141,10 +141,14 @@ class BatchDriver:
 
 
 class EngineServer:
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, replica: bool = False):
+        """`replica`: this process holds this engine for its life (a Serve replica): what start-up
+        built leaves the cycle collector's reach (`freeze_startup`)."""
         self.config = ServeConfig.model_validate(config)
         started = time.perf_counter()
         self.engine = Engine.from_config(self.config)
+        if replica:
+            freeze_startup()
         self.created = int(time.time())
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddtree-engine")
         self.metrics = EngineMetrics(self.config.served_name)
