@@ -26,7 +26,8 @@ its own max tokens, drawn (seed 7) from max-tokens x [1 - s, 1 + s], the same fo
 Reported per table: aggregate tokens/s per budget, auto / best fixed budget, auto / plain, the
 same over the steps that began with every stream busy (ddtree.load_bench: the drain at the end of
 a pass, fewer than c streams, left out), auto's granted-budget distribution and predicted vs
-realized accepted tokens.
+realized accepted tokens; and for the whole run, each budget's seconds for every concurrency's
+tokens at its own tokens/s there (`whole_run`: the policy against one fixed budget for every load).
 
     python benchmarks/budget_policy.py [--concurrency 1,4,16,64] [--budgets 0,4,8,16,chain]
         [--per-file 4] [--max-tokens 64] [--requests-per-stream 2] [--min-requests 12]
@@ -146,10 +147,30 @@ def main() -> None:
              if args.length_spread else "") + ", greedy")
     for c, runs, rows in tables:
         print(table(c, runs, rows))
+    if len(tables) > 1:
+        print(whole_run(tables))
     if args.json:
         Path(args.json).write_text(json.dumps(
             [{"streams": c, "rows": [dict(r.summary(), passes=len(runs[r.budget])) for r in rows]}
              for c, runs, rows in tables], indent=2))
+
+
+def whole_run(tables: list) -> str:
+    """Every concurrency's load in turn, as one server meets them: each budget's seconds for the
+    tokens auto emitted at each concurrency, at that budget's own tokens/s there (one raced out
+    early: at the rate of its passes), and auto against it -- the policy against one fixed
+    budget for every load. `tables`: (streams, runs, rows) per concurrency, auto's row first."""
+    work = {c: rows[0].tokens for c, _, rows in tables}
+    seconds: dict = {}
+    for c, _, rows in tables:
+        for r in rows:
+            seconds[r.budget] = seconds.get(r.budget, 0.0) + work[c] / r.tokens_per_s
+    tokens = sum(work.values())
+    lines = [f"\nthe whole run ({', '.join(str(c) for c in work)} streams in turn; each budget at its own tokens/s "
+             "at each):", "| budget | seconds | tokens/s | auto vs it |", "| --- | --- | --- | --- |"]
+    for budget, s in seconds.items():
+        lines.append(f"| {budget} | {s:.1f} | {tokens / s:.1f} | {s / seconds['auto']:.2f}x |")
+    return "\n".join(lines)
 
 
 def spread_lengths(max_tokens: int, spread: float, requests: int) -> int | list[int]:

@@ -120,3 +120,21 @@ def test_a_race_keeps_auto_plain_and_the_close_budgets():
 
     rows = {"auto": row("auto", 100), 0: row(0, 50), 4: row(4, 100), 8: row(8, 81), "chain": row("chain", 79)}
     assert benchmark_script("budget_policy").raced(list(rows), rows, 0.8) == ["auto", 0, 4, 8]
+
+
+def test_the_whole_run_prices_every_concurrencys_tokens_at_each_budgets_own_rate():
+    """One fixed budget for every load against the policy: each budget's seconds for the tokens
+    auto emitted at each concurrency, at that budget's tokens/s there. Here budget 4 is twice
+    auto's speed at 1 stream and half at 64: 50 + 400 seconds against auto's 100 + 200."""
+    from ddtree.load_bench import LoadRow
+
+    def row(budget, streams, tokens, seconds):
+        r = LoadRow(budget, streams)
+        r.tokens, r.seconds = tokens, seconds
+        return r
+
+    tables = [(1, {}, [row("auto", 1, 1000, 100.0), row(4, 1, 500, 25.0)]),
+              (64, {}, [row("auto", 64, 4000, 200.0), row(4, 64, 4000, 400.0)])]
+    text = benchmark_script("budget_policy").whole_run(tables)
+    assert "| auto | 300.0 | 16.7 | 1.00x |" in text
+    assert "| 4 | 450.0 | 11.1 | 1.50x |" in text
