@@ -688,11 +688,10 @@ def test_the_scheduler_asks_the_drafter_for_the_depths_the_policy_sets(tiny_chec
     drafter = DFlashDrafter.untrained(target, block_size=16, seed=7)
     scheduler = Scheduler.local(target, drafter, "auto", BatchLimits(max_num_seqs=2, max_step_tokens=2 * 33),
                                 policy=FixedCosts(CostCurve({1: 0.01, 66: 0.0101})))
-    asked, widths, propose = [], [], scheduler.drafter.propose
+    asked, propose = [], scheduler.drafter.propose
 
     def recording(rows):
         asked.append(list(rows.depths))
-        widths.extend(rows.top_k)
         return propose(rows)
 
     scheduler.drafter.propose = recording
@@ -705,11 +704,32 @@ def test_the_scheduler_asks_the_drafter_for_the_depths_the_policy_sets(tiny_chec
     deepest = [len(r.drafted_per_depth) for r in result.rounds]  # each chosen tree's depth
     for step, previous in zip(depths[1:], deepest):  # each draft: the last chosen tree's depth + margin
         assert step == min(most, max(MIN_DRAFT_DEPTH, previous + DEPTH_MARGIN)), (depths, deepest)
-    # and each drafted tree as wide as twice its last chosen one (the first: the step's cap, Q 65)
-    chosen = [r.tree_size - 1 for r in result.rounds if r.draft_s > 0]
-    assert widths[0] == 64 and len(widths) == len(chosen) > 1
-    for width, previous in zip(widths[1:], chosen):
-        assert width == min(64, max(MIN_DRAFT_WIDTH, WIDTH_FACTOR * previous)), (widths, chosen)
+
+
+def test_each_auto_draft_is_grown_twice_as_wide_as_the_last_chosen_tree(tiny_checkpoint):
+    """End to end, budgets changing every round (every sequence drafts, each tree a random prefix):
+    the first draft grows its tree to the step's cap, every later one to WIDTH_FACTOR times the
+    nodes of the sequence's last chosen tree, at least MIN_DRAFT_WIDTH (the drafter's top-k per
+    depth alike); the output is plain decoding's."""
+    hf, target, _ = tiny_checkpoint("llama", 97)
+    prompt = [5, 6, 7]
+    drafter = DFlashDrafter.untrained(target, block_size=16, seed=7)
+    scheduler = Scheduler.local(target, drafter, "auto", BatchLimits(max_num_seqs=1, max_step_tokens=65),
+                                policy=RandomQ(3))
+    widths, propose = [], scheduler.drafter.propose
+
+    def recording(rows):
+        widths.extend(rows.top_k)
+        return propose(rows)
+
+    scheduler.drafter.propose = recording
+    result = scheduler.generate([Request(prompt, 30)])[0]
+    assert result.tokens == hf_greedy(hf, prompt, 30)
+    chosen = [r.tree_size - 1 for r in result.rounds]
+    assert len(widths) == len(chosen) > 10 and widths[0] == 64  # every round drafts; the first at the cap (Q 65)
+    assert widths[1:] == [min(64, max(MIN_DRAFT_WIDTH, WIDTH_FACTOR * n)) for n in chosen[:-1]], (widths, chosen)
+    narrowed = widths.index(MIN_DRAFT_WIDTH)  # after a small tree, and wider again after a larger one
+    assert max(widths[narrowed:]) > MIN_DRAFT_WIDTH, widths
 
 
 def test_the_drafters_nodes_are_calibrated_by_their_probability_not_their_depth():

@@ -31,6 +31,7 @@ draft" holds by construction.
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -527,14 +528,14 @@ class DFlashDrafter(nn.Module):
         rows = torch.cat([x[r, 1:1 + d] for r, d in enumerate(depths)])
         logprobs = torch.log_softmax(self.head(rows).double(), dim=-1)
         vocab = self.draft_vocab.cpu() if self.draft_vocab is not None else None
-        starts = [sum(depths[:r]) for r in range(len(depths))]
+        starts = list(itertools.accumulate(depths, initial=0))  # row r's first depth row
         out: list[Candidates | None] = [None] * len(depths)
         for k in sorted(set(top_k)):  # one top-k over the rows of every sequence asking this k
             same = [r for r, want in enumerate(top_k) if want == k]
             found = top_k_candidates(logprobs if len(same) == len(depths) else
                                      torch.cat([logprobs[starts[r] : starts[r] + depths[r]] for r in same]), k)
             tokens = found.tokens
-            if vocab is not None and tokens and tokens[0]:
+            if vocab is not None and tokens:
                 tokens = vocab[torch.tensor(tokens)].tolist()
             at = 0
             for r in same:

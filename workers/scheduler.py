@@ -440,7 +440,7 @@ class Scheduler:
                 granted[b] = nodes
                 if b in candidates:
                     trees[b] = trees[b].prefix(nodes)
-                    rows[b].estimate.depth, rows[b].estimate.nodes = int(trees[b].depths.max()), nodes
+                    rows[b].estimate.depth, rows[b].estimate.nodes = int(trees[b].depths.max()), trees[b].size - 1
                 elif nodes:
                     trees[b] = grow_tree(rows[b].output[-1], None, nodes, branches[b])
         draft_s = [(t1 - t0) / len(drafting) if b in candidates else 0.0 for b in range(len(rows))]
