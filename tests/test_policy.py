@@ -12,7 +12,8 @@ import torch
 from ddtree.config import SamplingParams
 from ddtree.kernels.tree import Candidates, Lookup, build_tree, grow_tree
 from ddtree.workers.drafter import DFlashDrafter
-from ddtree.workers.policy import (DEPTH_MARGIN, DRAFT_FORGET, EMA, EXPLORE, EXPLORE_SHARE, FIRST_PROBE, HOPELESS_SHARE, HORIZON,
+from ddtree.workers.policy import (DEPTH_MARGIN, DRAFT_FORGET, EMA, EXPLORE, EXPLORE_SHARE, FIRST_DRAFT_DEPTH,
+                                    FIRST_DRAFT_WIDTH, FIRST_PROBE, HOPELESS_SHARE, HORIZON,
                                     MIN_DRAFT_DEPTH, MIN_DRAFT_WIDTH, MIN_YIELD, MISFIT_STEPS, PLAIN_REFRESH, PLAIN_SEEN,
                                     ROW_FACTOR_FLOOR, WIDTH_FACTOR,
                                     Acceptance,
@@ -281,8 +282,9 @@ def test_plan_probes_new_sequences_and_backs_off_on_idle_ones():
     policy.hope = {1: 0.0, 2: 0.5}
     fresh = [policy.sequence(), policy.sequence()]
     assert policy.plan(2, 0, [1, 2], fresh) == [False, False]
-    policy.hope = {1: 0.0, 2: 1.0}  # ... and where they could, the new ones are
-    assert policy.plan(2, 0, [1, 2], fresh) == [True, True]
+    policy.hope = {1: 0.0, 2: 1.0}  # ... and where they could, the new ones are, as many at once as the band's
+    assert policy.probe_yield(2) <= 0.5  # probes found worth drafting: half of them (the poor one's two probes: none)
+    assert policy.plan(2, 0, [1, 2], fresh) == [True, False]
     cheap = BudgetPolicy(CostCurve({1: 0.01, 4: 0.0101}))  # rows nearly free: the good one drafts
     estimates = [cheap.sequence(), cheap.sequence()]
     estimates[0].gain, estimates[1].gain = {1: 0.0, 2: 0.0}, {1: 0.0, 2: 0.95}
@@ -369,7 +371,7 @@ def test_policy_grants_trees_where_rows_are_cheap_and_none_where_they_are_not(ti
             assert result.tokens == reference
     flat_budgets = [r.budget for r in runs["flat"][0].rounds]
     steep_budgets = [r.budget for r in runs["steep"][0].rounds]
-    assert max(flat_budgets) >= 8 and runs["flat"][0].tau > 5
+    assert max(flat_budgets) >= 7 and runs["flat"][0].tau > 5  # whole blocks: the 8-token block's 7 drafted depths
     assert steep_budgets.count(0) >= len(steep_budgets) - 2, steep_budgets  # probes aside: plain
     # each request's first round is a probe (nothing is known of it); with flat costs its trees
     # pay from then on, with steep ones every tree it got was a probe's
@@ -446,9 +448,11 @@ def test_the_scheduler_measures_a_contradicted_curve_again_mid_run_and_the_token
     poisoned = {1: 10.0, 17: 10.0, 65: 20.0, 129: 5.0}
     scheduler = Scheduler.local(target, drafter, "auto", BatchLimits(max_num_seqs=2, max_step_tokens=2 * 65),
                                 policy=BudgetPolicy(CostCurve(poisoned)))
-    results = scheduler.generate([Request(prompt, 40), Request(prompt, 40, sampling=SamplingParams(temperature=0.9, seed=3))])
+    # the sampled request runs on alone at the end (T(1), never seen, contradicts the curve step
+    # after step) whichever trees the greedy one got
+    results = scheduler.generate([Request(prompt, 40), Request(prompt, 64, sampling=SamplingParams(temperature=0.9, seed=3))])
     assert results[0].tokens == reference
-    plain = SoloLoop.local(target, drafter).generate([Request(prompt, 40, sampling=SamplingParams(temperature=0.9, seed=3),
+    plain = SoloLoop.local(target, drafter).generate([Request(prompt, 64, sampling=SamplingParams(temperature=0.9, seed=3),
                                                               budget=0)])[0]
     assert results[1].tokens == plain.tokens
     assert scheduler.stats()["recalibrations"] >= 1
@@ -581,7 +585,8 @@ def test_an_auto_sequence_drafts_only_as_deep_as_its_trees_reach():
     After its first draft a sequence asks for DEPTH_MARGIN past its last chosen tree's depth,
     at least MIN_DRAFT_DEPTH, at most the step's cap; the tokens stay the target's."""
     estimate = BudgetPolicy().sequence()
-    assert estimate.draft_depth(15) == 15  # nothing known yet: every depth
+    assert estimate.draft_depth(15) == FIRST_DRAFT_DEPTH < 15  # nothing known yet: a probe's depths
+    assert estimate.draft_depth(2) == 2
     estimate.depth = 3
     assert estimate.draft_depth(15) == 3 + DEPTH_MARGIN
     estimate.depth = 0
@@ -596,7 +601,8 @@ def test_an_auto_sequence_drafts_only_as_wide_as_its_trees_grow():
     After its first draft a sequence's tree is grown to WIDTH_FACTOR times its last chosen
     tree's nodes, at least MIN_DRAFT_WIDTH, at most the step's cap."""
     estimate = BudgetPolicy().sequence()
-    assert estimate.draft_width(64) == 64  # nothing known yet: the cap
+    assert estimate.draft_width(64) == FIRST_DRAFT_WIDTH < 64  # nothing known yet: a probe's width
+    assert estimate.draft_width(8) == 8
     estimate.nodes = 0
     assert estimate.draft_width(64) == MIN_DRAFT_WIDTH
     estimate.nodes = MIN_DRAFT_WIDTH
@@ -681,8 +687,9 @@ def test_pending_features_are_the_rows_added_since_the_last_clear():
 
 
 def test_the_scheduler_asks_the_drafter_for_the_depths_the_policy_sets(tiny_checkpoint):
-    """End to end: under flat costs (wide trees pay) every auto draft after a sequence's first
-    asks the drafter for its estimate's depths, and the output is plain decoding's."""
+    """End to end: under flat costs (wide trees pay) a sequence's first draft asks the drafter
+    for FIRST_DRAFT_DEPTH depths and every later one for its estimate's, and the output is plain
+    decoding's."""
     hf, target, _ = tiny_checkpoint("llama", 97)
     prompt = [5, 6, 7]
     drafter = DFlashDrafter.untrained(target, block_size=16, seed=7)
@@ -698,17 +705,16 @@ def test_the_scheduler_asks_the_drafter_for_the_depths_the_policy_sets(tiny_chec
     result = scheduler.generate([Request(prompt, 24)])[0]
     assert result.tokens == hf_greedy(hf, prompt, 24)
     depths = [d for step in asked for d in step]
-    most = depths[0]
-    assert most >= 15  # the first draft: every depth of the block (the step's cap: 64)
-    assert all(MIN_DRAFT_DEPTH <= d for d in depths) and min(depths) < 15, depths
+    assert depths[0] == FIRST_DRAFT_DEPTH  # the first draft: a probe's depths, not the block's 15
+    assert all(MIN_DRAFT_DEPTH <= d for d in depths) and len(depths) > 1, depths
     deepest = [len(r.drafted_per_depth) for r in result.rounds]  # each chosen tree's depth
     for step, previous in zip(depths[1:], deepest):  # each draft: the last chosen tree's depth + margin
-        assert step == min(most, max(MIN_DRAFT_DEPTH, previous + DEPTH_MARGIN)), (depths, deepest)
+        assert step == min(15, max(MIN_DRAFT_DEPTH, previous + DEPTH_MARGIN)), (depths, deepest)
 
 
 def test_each_auto_draft_is_grown_twice_as_wide_as_the_last_chosen_tree(tiny_checkpoint):
     """End to end, budgets changing every round (every sequence drafts, each tree a random prefix):
-    the first draft grows its tree to the step's cap, every later one to WIDTH_FACTOR times the
+    the first draft grows its tree to FIRST_DRAFT_WIDTH nodes, every later one to WIDTH_FACTOR times the
     nodes of the sequence's last chosen tree, at least MIN_DRAFT_WIDTH (the drafter's top-k per
     depth alike); the output is plain decoding's."""
     hf, target, _ = tiny_checkpoint("llama", 97)
@@ -726,7 +732,7 @@ def test_each_auto_draft_is_grown_twice_as_wide_as_the_last_chosen_tree(tiny_che
     result = scheduler.generate([Request(prompt, 30)])[0]
     assert result.tokens == hf_greedy(hf, prompt, 30)
     chosen = [r.tree_size - 1 for r in result.rounds]
-    assert len(widths) == len(chosen) > 10 and widths[0] == 64  # every round drafts; the first at the cap (Q 65)
+    assert len(widths) == len(chosen) > 10 and widths[0] == FIRST_DRAFT_WIDTH  # every round drafts; the first a probe's
     assert widths[1:] == [min(64, max(MIN_DRAFT_WIDTH, WIDTH_FACTOR * n)) for n in chosen[:-1]], (widths, chosen)
     narrowed = widths.index(MIN_DRAFT_WIDTH)  # after a small tree, and wider again after a larger one
     assert max(widths[narrowed:]) > MIN_DRAFT_WIDTH, widths
@@ -955,6 +961,37 @@ def test_a_band_whose_probes_are_not_followed_by_drafting_probes_rarely():
     probed = _probe_steps(good, {1: 0.0, 2: 0.9})  # every probed sequence drafts on
     assert good.probe_yield(4) > 0.9
     assert sum(s % 10 == 0 for s in probed) >= 19  # each new sequence probed at its first step
+
+
+def test_a_band_whose_probes_seldom_find_drafting_probes_a_share_of_its_new_sequences():
+    """At 64 streams, as a wave's prefill brought the batch past 32 sequences, every pass probed
+    22-33 new sequences at once (the best gains seen said each could pay): 370-720 ms a step
+    where a plain step took ~100, and none of them drafted after. A band probes as many of its
+    due sequences as its probes say will be worth it -- the share `probe_yield` of them, those
+    with the fewest context rows for the drafter to take in first -- and all of them only while
+    its probes are all followed by drafting (a band never probed, here)."""
+    policy = BudgetPolicy(CostCurve({8: 0.040, 16: 0.060}), packed=True)  # a node's row: 2.5 ms
+    policy.hope = {1: 0.0, 2: 0.9}  # at the best gains seen, a 1-node tree pays: 0.9 / 2.5 ms > 8 / 40 ms
+    wave = [policy.sequence() for _ in range(8)]
+    assert sum(policy.plan(8, 0, [1, 2], wave)) == 8 and len(policy.probed) == 8  # a fresh band: all
+    for i, e in enumerate(wave):
+        e.gain = {1: 0.0, 2: 0.9 if i < 2 else 0.0}  # two of the eight worth drafting
+    drafts = policy.plan(8, 0, [1, 2], wave)
+    assert drafts == [True, True] + [False] * 6 and not policy.probed
+    share = policy.probe_yield(8)
+    assert MIN_YIELD <= share < 0.5  # still probing, at under half
+    fresh = [policy.sequence() for _ in range(6)]
+    for e, rows in zip(fresh, [7, 1, 6, 3, 5, 2]):
+        e.context = rows
+    drafts = policy.plan(8, 0, [1, 2], wave[:2] + fresh)
+    assert len(policy.probed) == math.ceil(share * 6) < 6
+    assert sorted(fresh[i - 2].context for i in policy.probed) == [1, 2, 3][: len(policy.probed)]  # the cheapest
+    assert drafts[:2] == [True, True] and sum(drafts[2:]) == len(policy.probed)
+    first = set(policy.probed)
+    for i in first:
+        fresh[i - 2].gain = {1: 0.0, 2: 0.9}  # found worth drafting: they draft on ...
+    later = policy.plan(8, 0, [1, 2], wave[:2] + fresh)
+    assert all(later[i] for i in first) and policy.probed and not policy.probed & first  # ... and the rest are probed
 
 
 def test_a_band_whose_probes_cost_much_probes_seldomer():

@@ -149,6 +149,8 @@ MIN_DRAFT_DEPTH = 4  # an auto sequence's draft asks for at least this many dept
 DEPTH_MARGIN = 2  # ... and this many past its last chosen tree's depth
 MIN_DRAFT_WIDTH = 16  # an auto sequence's drafted tree holds at most this many nodes ...
 WIDTH_FACTOR = 2  # ... or this many times its last chosen tree's, if more (`draft_width`)
+FIRST_DRAFT_DEPTH = MIN_DRAFT_DEPTH + DEPTH_MARGIN  # its first draft (a probe, mostly) asks this many depths ...
+FIRST_DRAFT_WIDTH = WIDTH_FACTOR * MIN_DRAFT_WIDTH  # ... and grows a tree of this many nodes
 CONTEXT_ROWS = 8  # a draft taking in more context rows a sequence than this teaches c, not D(n)
 MISFIT = 2.0  # a target forward that took over this times, or under 1 / this of, what T(r) predicted ...
 MISFIT_STEPS = 8  # ... in this many steps in a row (doubling with each re-measurement) has T(r) measured again
@@ -417,12 +419,15 @@ class SequenceEstimate:
 
     def draft_depth(self, most: int) -> int:
         """The depths its next draft asks of the drafter: DEPTH_MARGIN past its last chosen
-        tree's, at least MIN_DRAFT_DEPTH, at most `most` (all of them until it drafted once). The
-        drafter's head runs once per depth (over 26k draft-vocabulary rows for SmolLM2's), and
-        the trees chosen at one stream reach depth 3-6 of the 15 drafted: the rest was work no
-        tree used. The margin lets the trees deepen step by step when acceptance rises."""
+        tree's, at least MIN_DRAFT_DEPTH, at most `most` (FIRST_DRAFT_DEPTH until it drafted
+        once). The drafter's head runs once per depth (over 26k draft-vocabulary rows for
+        SmolLM2's), and the trees chosen at one stream reach depth 3-6 of the 15 drafted: the
+        rest was work no tree used. The margin lets the trees deepen step by step when acceptance
+        rises. A first draft asked every depth before: at 64 streams a probe of 22-33 new
+        sequences at once ran the head over 15 depths each, 150-330 ms of drafting a step where
+        a plain step of the batch took ~100."""
         if self.depth is None:
-            return most
+            return max(1, min(most, FIRST_DRAFT_DEPTH))
         return max(1, min(most, max(MIN_DRAFT_DEPTH, self.depth + DEPTH_MARGIN)))
 
     def draft_width(self, most: int) -> int:
@@ -431,9 +436,10 @@ class SequenceEstimate:
         of them until it drafted once). The policy grants a best-first prefix of the tree, and
         at 1-64 streams chose 0-18 nodes of the 64 drafted (run AR): the rest was grown, priced
         and kept for hindsight each step (~0.4 ms a step of 4 sequences growing them alone).
-        The factor lets a tree double each step as acceptance rises."""
+        The factor lets a tree double each step as acceptance rises; a first draft grows
+        FIRST_DRAFT_WIDTH nodes."""
         if self.nodes is None:
-            return most
+            return max(1, min(most, FIRST_DRAFT_WIDTH))
         return max(1, min(most, max(MIN_DRAFT_WIDTH, WIDTH_FACTOR * self.nodes)))
 
 
@@ -699,6 +705,7 @@ class BudgetPolicy:
             due = self._affordable(batch, fixed_drafting, fixed_nodes, due, whole)
         elif due and self.hope is not None:  # probe those that could pay, were they the best seen
             due &= set(hoped()[0])
+        due = self._rationed(batch, due, estimates)
         self.probed = due
         if due:
             self._since_probe[band], self._since_probe_s[band] = 0, 0.0
@@ -761,6 +768,20 @@ class BudgetPolicy:
                 break
             chosen.append(i)
         return set(chosen)
+
+    def _rationed(self, batch: int, due: set[int], estimates: list[SequenceEstimate]) -> set[int]:
+        """Of the sequences a step would probe, as many as the band's probes say will be worth
+        it: the share `probe_yield` of them (at least one), those with the fewest context rows
+        for the drafter to take in first. A band's probe is paid for by the sequences it finds
+        worth drafting; where few are, probing them all at once costs them all to learn what a
+        few tell. At 64 streams, as a wave's prefill brought the batch past 32 sequences, every
+        pass probed 22-33 new sequences at once (each one's whole prompt for the drafter to take
+        in, 67-135 nodes to verify): 370-720 ms a step where a plain step took ~100, ~1% of the
+        pass, and none drafted after."""
+        if len(due) <= 1:
+            return due
+        most = max(1, math.ceil(self.probe_yield(batch) * len(due) - 1e-9))
+        return set(sorted(due, key=lambda i: (estimates[i].context, i))[:most])
 
     def probe_yield(self, batch: int) -> float:
         """Of the recent probes in batches of `batch`'s band, the share its sequence's next plan
