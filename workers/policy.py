@@ -70,8 +70,9 @@ due sequences whose predicted cost that share pays for (`_affordable`, at least 
 drafts, `hope` rises slowly back to the best gains ever seen, so a workload that changed during
 a stretch of plain decoding gets probed again. A probe is paid for by what follows it: a
 band of batch sizes probes while a quarter or more of its recent probes were followed by the
-plan drafting that sequence for its gains (`probe_yield`), else once every EXPLORE steps (the
-due sequences all at once, sharing the drafter's pass) and no sooner than its last such probe's
+plan drafting that sequence for its gains (`probe_yield`), else once every EXPLORE steps, and
+that share of the due sequences at a time, fewest context rows first (`_rationed`; those of one
+step share the drafter's pass), and no sooner than its last such probe's
 net cost (`probe_cost`: its seconds past what its tokens take plain) is a share of the band's time
 since: at 16 streams a probe of a new wave of sequences cost ~100 ms past its tokens. The share is
 what a probe is expected to return -- the share of probes followed by drafting times what the best
