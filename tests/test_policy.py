@@ -282,8 +282,8 @@ def test_plan_probes_new_sequences_and_backs_off_on_idle_ones():
     policy.hope = {1: 0.0, 2: 0.5}
     fresh = [policy.sequence(), policy.sequence()]
     assert policy.plan(2, 0, [1, 2], fresh) == [False, False]
-    policy.hope = {1: 0.0, 2: 1.0}  # ... and where they could, the new ones are, as many at once as the band's
-    assert policy.probe_yield(2) <= 0.5  # probes found worth drafting: half of them (the poor one's two probes: none)
+    policy.hope = {1: 0.0, 2: 1.0}  # ... and where they could, the new ones are: as many at once as the
+    assert policy.probe_yield(2) <= 0.5  # band's probes found worth drafting (the poor one's two: none), one of two
     assert policy.plan(2, 0, [1, 2], fresh) == [True, False]
     cheap = BudgetPolicy(CostCurve({1: 0.01, 4: 0.0101}))  # rows nearly free: the good one drafts
     estimates = [cheap.sequence(), cheap.sequence()]
