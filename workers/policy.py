@@ -433,12 +433,11 @@ class SequenceEstimate:
 
     def draft_width(self, most: int) -> int:
         """The nodes its next drafted tree is grown to (and the drafter's top-k per depth):
-        WIDTH_FACTOR times its last chosen tree's, at least MIN_DRAFT_WIDTH, at most `most` (all
-        of them until it drafted once). The policy grants a best-first prefix of the tree, and
-        at 1-64 streams chose 0-18 nodes of the 64 drafted (run AR): the rest was grown, priced
-        and kept for hindsight each step (~0.4 ms a step of 4 sequences growing them alone).
-        The factor lets a tree double each step as acceptance rises; a first draft grows
-        FIRST_DRAFT_WIDTH nodes."""
+        WIDTH_FACTOR times its last chosen tree's, at least MIN_DRAFT_WIDTH, at most `most`
+        (FIRST_DRAFT_WIDTH until it drafted once). The policy grants a best-first prefix of the
+        tree, and at 1-64 streams chose 0-18 nodes of the 64 drafted (run AR): the rest was
+        grown, priced and kept for hindsight each step (~0.4 ms a step of 4 sequences growing
+        them alone). The factor lets a tree double each step as acceptance rises."""
         if self.nodes is None:
             return max(1, min(most, FIRST_DRAFT_WIDTH))
         return max(1, min(most, max(MIN_DRAFT_WIDTH, WIDTH_FACTOR * self.nodes)))
