@@ -17,7 +17,7 @@ from ddtree.workers.policy import (DEPTH_MARGIN, DRAFT_FORGET, EMA, EXPLORE, EXP
                                     MIN_DRAFT_DEPTH, MIN_DRAFT_WIDTH, MIN_YIELD, MISFIT_STEPS, PLAIN_REFRESH, PLAIN_SEEN,
                                     ROW_FACTOR_FLOOR, WIDTH_FACTOR,
                                     Acceptance,
-                                    BudgetPolicy, CostCurve, TreeNodes, bin_of, by_bucket, tree_gains)
+                                    BudgetPolicy, CostCurve, TreeNodes, bin_of, by_bucket, drain_weights, tree_gains)
 from ddtree.workers.requests import Request
 from ddtree.workers.scheduler import FEATURE_CHUNKS, BatchLimits, PendingFeatures, Scheduler
 from ddtree.workers.solo import SoloLoop
@@ -308,14 +308,14 @@ class RandomQ(BudgetPolicy):
         super().__init__(CostCurve({1: 1.0}))
         self.g = torch.Generator().manual_seed(seed)
 
-    def plan(self, batch, fixed_drafting, buckets, estimates, fixed_nodes=0):
+    def plan(self, batch, fixed_drafting, buckets, estimates, fixed_nodes=0, draining=False):
         return [True] * len(estimates)
 
     def baseline_due(self, *args) -> bool:  # every round its random tree, none a measuring plain step
         return False
 
-    def choose(self, batch, buckets, curves, draft_s, fixed_nodes=0):
-        decision = super().choose(batch, buckets, curves, draft_s, fixed_nodes)
+    def choose(self, batch, buckets, curves, draft_s, fixed_nodes=0, weights=None):
+        decision = super().choose(batch, buckets, curves, draft_s, fixed_nodes, weights)
         decision.q = buckets[int(torch.randint(len(buckets), (1,), generator=self.g))]
         # packed rows: each tree its own random count up to Q - 1 (padded: Q - 1 each)
         decision.nodes = [int(torch.randint(decision.q, (1,), generator=self.g)) if self.packed else decision.q - 1
@@ -1153,6 +1153,86 @@ def test_plan_spreads_an_idle_sequences_context_catch_up_over_the_rounds_it_has_
     estimate.context = 2  # drafting every round: its rows are the steady ones
     estimate.remaining = 64
     assert estimate.priced_context() == 2
+
+
+def test_a_draining_batch_weighs_each_sequences_tokens_by_what_it_has_left():
+    """Bug: trees sized by gain alone left the lowest-acceptance sequences (chat) the longest ones
+    of a 4-stream pass; the pass ends with its last sequence, which then ran 12 steps alone where
+    budget 4's ran 6, and the drain cost auto ~2% of the pass against budget 4. While a batch
+    drains, each sequence's expected tokens count for its tokens left over the batch's mean: the
+    plan drafts, and `choose` grows, the long sequence's tree first; what the step predicts (and
+    is checked against) stays its unweighted tokens."""
+    long, short = BudgetPolicy(CostCurve()).sequence(), BudgetPolicy(CostCurve()).sequence()
+    long.remaining, short.remaining = 60, 4
+    assert drain_weights([short, long]) == [0.125, 1.875]
+    long.remaining = None  # unknown (a request without max_tokens' bound): no weights
+    assert drain_weights([short, long]) == [1.0, 1.0]
+
+    # choose, packed (T(r) = 10 + r ms, 2 streams): two alike trees, weighed 1.6 and 0.4
+    curve = [0.0, 0.8, 1.4, 1.8, 2.0, 2.1]
+    packed = BudgetPolicy(CostCurve({1: 0.011, 1000: 1.010}), packed=True)
+    even = packed.choose(2, [1, 2, 3, 5, 9], [curve, curve], draft_s=0.0)
+    assert even.nodes[0] == even.nodes[1] > 0
+    weighed = packed.choose(2, [1, 2, 3, 5, 9], [curve, curve], 0.0, weights=[0.4, 1.6])
+    assert weighed.nodes[1] > weighed.nodes[0], weighed.nodes
+    assert weighed.predicted == pytest.approx(curve[weighed.nodes[0]] + curve[weighed.nodes[1]])
+    assert weighed.rate == pytest.approx((2 + weighed.predicted) / (0.012 + sum(weighed.nodes) / 1000))
+
+    # plan (padded, 2 streams, Q = 4 rows nearly free, D(n) = 5 n ms): alike gains of 1.2 tokens;
+    # both draft (4.4 tokens in 41.4 ms beats 3.2 in 36.4 and 2 in 30.2), but draining, the
+    # sequence with 4 tokens left counts 0.125 of its and drafting it no longer pays
+    policy = BudgetPolicy(CostCurve({1: 0.030, 16: 0.033}))
+    policy.draft = CostCurve({1: 0.005})
+    estimates = [policy.sequence(), policy.sequence()]
+    for e, left in zip(estimates, (4, 60)):
+        e.gain, e.peak, e.remaining = {1: 0.0, 4: 1.2}, {1: 0.0, 4: 1.2}, left
+    assert policy.plan(2, 0, [1, 4], estimates) == [True, True]
+    assert [e.weight for e in estimates] == [1.0, 1.0]
+    assert policy.plan(2, 0, [1, 4], estimates, draining=True) == [False, True]
+    assert [e.weight for e in estimates] == [0.125, 1.875]
+
+
+class DrainWatch(FixedCosts):
+    """FixedCosts that records, per plan, the batch and whether the scheduler said it drains."""
+
+    def __init__(self, verify: CostCurve):
+        super().__init__(verify)
+        self.seen: list[tuple[int, bool]] = []
+
+    def plan(self, batch, fixed_drafting, buckets, estimates, fixed_nodes=0, draining=False):
+        self.seen.append((batch, draining))
+        return super().plan(batch, fixed_drafting, buckets, estimates, fixed_nodes, draining)
+
+
+def test_the_scheduler_says_a_batch_drains_once_it_shrinks_with_nothing_waiting(tiny_checkpoint):
+    """End to end: two streams in a closed loop (a finished stream's next request is sent before
+    the next step) never drain while requests remain; once the last are sent, the batch that
+    shrinks to one sequence drains. The output is plain decoding's."""
+    hf, target, _ = tiny_checkpoint("llama", 97)
+    drafter = DFlashDrafter.untrained(target, block_size=16, seed=7)
+    policy = DrainWatch(CostCurve({1: 0.01, 66: 0.0101}))
+    scheduler = Scheduler.local(target, drafter, "auto", BatchLimits(max_num_seqs=2, max_step_tokens=2 * 33),
+                                policy=policy)
+    prompts, lengths = [[5, 6, 7], [8, 9], [10, 11, 12], [13]], [6, 14, 6, 6]
+    todo, live, results = list(zip(prompts, lengths)), {}, {}
+    while todo and len(live) < 2:
+        prompt, n = todo.pop(0)
+        live[scheduler.add(Request(prompt, n))] = prompt
+    last_sent = None
+    while live:
+        for seq_id, update in scheduler.step():
+            if update.result is not None:
+                results[tuple(live.pop(seq_id))] = update.result.tokens
+                if todo:
+                    prompt, n = todo.pop(0)
+                    live[scheduler.add(Request(prompt, n))] = prompt
+                    last_sent = last_sent if todo else len(policy.seen)
+    for prompt, n in zip(prompts, lengths):
+        assert results[tuple(prompt)] == hf_greedy(hf, prompt, n)
+    assert last_sent is not None and all(not draining for _, draining in policy.seen[:last_sent]), policy.seen
+    tail = policy.seen[last_sent:]
+    assert any(batch == 1 for batch, _ in tail), tail
+    assert all(draining == (batch == 1) for batch, draining in tail), tail
 
 
 def test_a_band_whose_trees_realize_less_than_predicted_weighs_them_down():

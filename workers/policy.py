@@ -78,6 +78,14 @@ since: at 16 streams a probe of a new wave of sequences cost ~100 ms past its to
 what a probe is expected to return -- the share of probes followed by drafting times what the best
 gains seen would add to the step's rate -- between HOPELESS_SHARE and EXPLORE_SHARE: one sequence
 found drafting adds ~40% at one stream, a few per cent to a step of 16.
+A batch that drains (no request waits and it runs fewer sequences than it did since it last
+grew: the scheduler's `draining`) ends when its longest sequence does: the steps the others take ride on
+the ones that sequence needs anyway. So while it drains, both decisions weigh each sequence's
+expected accepted tokens by its tokens left over the batch's mean (`drain_weights`): at 4
+streams, trees sized by gain alone left the chat sequences (the lowest acceptance) the longest
+ones, the last of a pass ran 12 steps alone where budget 4's ran 6, and the drain cost auto ~2%
+of the pass against budget 4. The weights only choose; what a step predicts, and is checked
+against, is its unweighted tokens.
 The pieces are learned apart, so each band also checks their sum against its steps as a whole:
 an option with trees is weighed at what the band's steps with trees realized of the rate
 predicted for them, over what its plain steps realized of theirs (`tree_rate`, at most 1).
@@ -400,6 +408,7 @@ class SequenceEstimate:
     drafted: int = 0  # its drafted trees so far
     context: int = 0  # target features its next draft takes in (the scheduler sets it each step) ...
     remaining: int | None = None  # ... and the tokens it may still emit (None: unknown)
+    weight: float = 1.0  # what its expected tokens count for in this step's decisions (`drain_weights`)
     pending: list[Hindsight] = field(default_factory=list)  # its drafted trees whose outcome is not known yet
 
     def priced_context(self) -> float:
@@ -665,25 +674,29 @@ class BudgetPolicy:
         """`plan` for a step that measures the plain baseline (`baseline_due`): none drafts."""
         self.probed, self._step_accepted, self._foreseen = set(), 0, None
         for e in estimates:
-            e.idle += 1
+            e.idle, e.weight = e.idle + 1, 1.0
         return [False] * len(estimates)
 
     def plan(self, batch: int, fixed_drafting: int, buckets: list[int], estimates: list[SequenceEstimate],
-             fixed_nodes: int = 0) -> list[bool]:
+             fixed_nodes: int = 0, draining: bool = False) -> list[bool]:
         """Before drafting: which of the auto sequences (`estimates`) draft this step: those of
         the (Q, set) with the highest predicted rate from their recent gains, and the probes.
-        `fixed_nodes`: the nodes the fixed budgets' trees ask for."""
+        `fixed_nodes`: the nodes the fixed budgets' trees ask for; `draining`: the batch drains,
+        and each sequence's gains are weighed by its tokens left (`drain_weights`, kept in
+        `SequenceEstimate.weight` for this step's `choose`)."""
         # a step starts here: a `choose` of a step whose rows were all preempted foresees nothing now
         self.probed, self._step_accepted, self._foreseen = set(), 0, None
         if not estimates:  # a batch of fixed budgets only: nothing to plan
             return []
         band = _band(batch)
+        for e, w in zip(estimates, drain_weights(estimates) if draining else [1.0] * len(estimates)):
+            e.weight = w
         due = {i for i, e in enumerate(estimates) if e.gain is None or e.idle >= e.probe_after}
         context = {i: e.priced_context() for i, e in enumerate(estimates)}
         lines = self.foretold_lines()  # once a plan: 64 sequences x 8 Q's each took 0.3 ms
         floors = (0.0, 0.0) if fixed_nodes else (self.node_floor(batch, (max(buckets) - 1) * batch),
                                                   self.draft_floor(batch, len(estimates)))
-        known = {i: self.foretell(e, lines) for i, e in enumerate(estimates) if i not in due}
+        known = {i: _weighed(self.foretell(e, lines), e.weight) for i, e in enumerate(estimates) if i not in due}
         chosen, known_rate = self._best(batch, fixed_drafting, fixed_nodes, buckets, known, context, floors)
         chosen = set(chosen)
         for i, e in enumerate(estimates):  # what the probes of its last step came to
@@ -694,7 +707,7 @@ class BudgetPolicy:
 
         @functools.cache  # priced once a plan, and only where asked
         def hoped() -> tuple[list[int], float]:  # the best set were the due sequences' gains the best seen
-            hopeful = {i: (self.hope if i in due else e.gain) for i, e in enumerate(estimates)}
+            hopeful = {i: _weighed(self.hope if i in due else e.gain, e.weight) for i, e in enumerate(estimates)}
             return self._best(batch, fixed_drafting, fixed_nodes, buckets, hopeful, context, floors)
 
         worth = None if self.hope is None else lambda: hoped()[1] / max(known_rate, 1e-12) - 1.0
@@ -1008,21 +1021,25 @@ class BudgetPolicy:
         return _shrunk(self._bias.get((drafted, _size(rank)), (0.0, 0.0)), ratio, SIZE_PRIOR)
 
     def choose(self, batch: int, buckets: list[int], curves: list[list[float]], draft_s: float,
-               fixed_nodes: int = 0) -> Decision:
+               fixed_nodes: int = 0, weights: list[float] | None = None) -> Decision:
         """After drafting: each auto tree's nodes (a best-first prefix) and the step's Q, of the
         highest predicted rate, from the auto trees' gain `curves` this step (`curve`), the draft
         time already spent and the fixed budgets' nodes. Padded (B x Q rows): one Q, every auto
         tree its first Q - 1 nodes. Packed (the real rows): per tree, nodes in order of their
-        marginal gain, as long as the rate rises (`_choose_nodes`)."""
+        marginal gain, as long as the rate rises (`_choose_nodes`). `weights`: per curve, what
+        its tokens count for in the choice (`SequenceEstimate.weight`); the decision's predicted
+        tokens and rate are the unweighted ones."""
+        weights = weights or [1.0] * len(curves)
         if self.packed:
-            decision = self._choose_nodes(batch, buckets, curves, draft_s, fixed_nodes)
+            decision = self._choose_nodes(batch, buckets, curves, draft_s, fixed_nodes, weights)
         else:
             best, trees = None, self.tree_rate(batch)
             for q in buckets:
                 predicted = sum(c[min(q - 1, len(c) - 1)] for c in curves)
+                weighed = sum(w * c[min(q - 1, len(c) - 1)] for c, w in zip(curves, weights))
                 seconds = self.verify.predict(batch * q) + draft_s + self._other(q).predict(batch)
                 rate = (batch + predicted) / max(seconds, 1e-9)
-                corrected = rate * (trees if q > 1 else 1.0)
+                corrected = (batch + weighed) / max(seconds, 1e-9) * (trees if q > 1 else 1.0)
                 if best is None or corrected > best[0]:
                     best = corrected, Decision(q, predicted, rate, [q - 1] * len(curves))
             decision = best[1]
@@ -1030,11 +1047,11 @@ class BudgetPolicy:
         return decision
 
     def _choose_nodes(self, batch: int, buckets: list[int], curves: list[list[float]], draft_s: float,
-                      fixed_nodes: int) -> Decision:
+                      fixed_nodes: int, weights: list[float]) -> Decision:
         """Packed rows: a node costs the rows it adds wherever it is, so nodes are granted one at
-        a time, the highest marginal gain of any tree's next node first (a best-first tree's
-        marginal gains fall, mostly), keeping the count of the best rate seen; it stops once
-        STALE more nodes have not beaten it."""
+        a time, the highest (weighed) marginal gain of any tree's next node first (a best-first
+        tree's marginal gains fall, mostly), keeping the count of the best rate seen; it stops
+        once STALE more nodes have not beaten it."""
         most = buckets[-1] - 1
         # what does not change with the nodes, once per step: T(B) and the draft, the rest
         plain = self.verify.predict(batch) + draft_s
@@ -1047,31 +1064,35 @@ class BudgetPolicy:
 
         trees = self.tree_rate(batch)
 
-        def rate_of(tokens: float, added: int) -> tuple[float, float]:  # the predicted rate, and weighed by `tree_rate`
-            rate = tokens / max(seconds(added), 1e-9)
-            return rate, rate * (trees if fixed_nodes + added else 1.0)
+        def rate_of(tokens: float, added: int) -> float:  # the predicted rate weighed by `tree_rate`
+            return tokens / max(seconds(added), 1e-9) * (trees if fixed_nodes + added else 1.0)
+
+        def marginal(i: int, n: int) -> float:  # tree i's node n + 1, weighed
+            return weights[i] * (curves[i][n + 1] - curves[i][n])
 
         nodes = [0] * len(curves)
-        queue = [(-(c[1] - c[0]), i) for i, c in enumerate(curves) if len(c) > 1 and most > 0]
+        queue = [(-marginal(i, 0), i) for i, c in enumerate(curves) if len(c) > 1 and most > 0]
         heapq.heapify(queue)
-        tokens, added = float(batch), 0
-        (best_raw, best_rate), best_nodes, best_tokens, stale = rate_of(tokens, 0), list(nodes), tokens, 0
+        weighed, added = float(batch), 0
+        best_rate, best_nodes, stale = rate_of(weighed, 0), list(nodes), 0
         while queue and stale < STALE:
             gain, i = heapq.heappop(queue)
             nodes[i] += 1
-            tokens -= gain
+            weighed -= gain
             added += 1
             n = nodes[i]
             if n < min(len(curves[i]) - 1, most):
-                heapq.heappush(queue, (-(curves[i][n + 1] - curves[i][n]), i))
-            raw, rate = rate_of(tokens, added)
+                heapq.heappush(queue, (-marginal(i, n), i))
+            rate = rate_of(weighed, added)
             if rate > best_rate:
-                best_raw, best_rate, best_nodes, best_tokens, stale = raw, rate, list(nodes), tokens, 0
+                best_rate, best_nodes, stale = rate, list(nodes), 0
             else:
                 stale += 1
         widest = 1 + max(best_nodes, default=0)
         q = next((b for b in buckets if b >= widest), buckets[-1])
-        return Decision(q, best_tokens - batch, best_raw, best_nodes)
+        predicted = sum(c[n] - c[0] for c, n in zip(curves, best_nodes))
+        added = sum(best_nodes)
+        return Decision(q, predicted, (batch + predicted) / max(seconds(added), 1e-9), best_nodes)
 
     def observe_round(self, estimate: SequenceEstimate, tree: Tree, gains: dict[int, float] | None,
                       path: list[int]) -> float:
@@ -1181,6 +1202,23 @@ class BudgetPolicy:
                 self.draft.observe(drafting, max(draft_s - self.context_row_s * context, 0.5 * draft_s))
         if other_s > 0:
             (self.other_trees if q > 1 else self.other).observe(batch, other_s)
+
+
+def drain_weights(estimates: list[SequenceEstimate]) -> list[float]:
+    """Per sequence of a draining batch, its tokens left over the mean of the batch's (1 each
+    where any is unknown): the batch's last steps are its longest sequence's, and a token of a
+    sequence with few left shortens nothing."""
+    left = [e.remaining for e in estimates]
+    if not left or any(r is None for r in left):
+        return [1.0] * len(estimates)
+    left = [max(r, 1) for r in left]
+    mean = sum(left) / len(left)
+    return [r / mean for r in left]
+
+
+def _weighed(gains: dict[int, float] | None, weight: float) -> dict[int, float] | None:
+    """Gains per Q, times `weight`."""
+    return gains if gains is None or weight == 1.0 else {q: g * weight for q, g in gains.items()}
 
 
 def _has_drafted(tree: Tree) -> bool:

@@ -214,6 +214,7 @@ class Scheduler:
         self.running: list[_Sequence] = []
         self._arrivals: deque[_Sequence] = deque()
         self._cancels: deque[int] = deque()
+        self._held = self._peak = 0  # sequences running at the last step, and the most since the batch last grew
         self._next_id = 0
         self.preemptions = 0  # sequences preempted so far (their pages freed, recomputed later)
         self.cancelled = 0  # sequences that left because their request was cancelled
@@ -375,6 +376,7 @@ class Scheduler:
         rows = [s for s in self.running if s.prefilled and s.finish_reason is None]
         if not rows:
             return []
+        draining = self._draining()
         # 4. one drafter pass for every drafting sequence. Fixed budgets ask for their nodes (cut
         #    to the step's row limit, `grant`); the policy plans which auto sequences draft, and
         #    how wide, then chooses the step's Q from what they drafted.
@@ -393,7 +395,7 @@ class Scheduler:
         baseline = self.policy.baseline_due(len(rows), fixed_asked)  # a plain step, to measure T(B)
         estimates = [rows[b].estimate for b in auto]
         plan = (self.policy.rest(estimates) if baseline
-                else self.policy.plan(len(rows), len(fixed), buckets, estimates, fixed_asked))
+                else self.policy.plan(len(rows), len(fixed), buckets, estimates, fixed_asked, draining))
         probed = {rows[auto[i]].id for i in self.policy.probed}  # ids: `_reserve` may drop rows
         auto = [b for b, drafts in zip(auto, plan) if drafts]
         for b in auto:  # each drafted tree grown as wide as the policy may grant it (`draft_width`)
@@ -435,7 +437,8 @@ class Scheduler:
                   if b in candidates else self.policy.chain_curve(branches[b], most) for b in auto_trees}
         if auto_trees:  # the policy's nodes per auto tree: each its best-first prefix of them
             fixed_nodes = sum(trees[b].size - 1 for b in range(len(rows)) if b not in curves)
-            decision = self.policy.choose(len(rows), buckets, list(curves.values()), draft_cost, fixed_nodes)
+            decision = self.policy.choose(len(rows), buckets, list(curves.values()), draft_cost, fixed_nodes,
+                                          [rows[b].estimate.weight for b in curves])
             for b, nodes in zip(auto_trees, decision.nodes):
                 granted[b] = nodes
                 if b in candidates:
@@ -524,6 +527,17 @@ class Scheduler:
         if self.policy.misfit() and any(s.budget == "auto" for s in rows):
             self._recalibrate(len(rows) + nodes)
         return rows
+
+    def _draining(self) -> bool:
+        """Whether the batch drains at this step: no request waits, and it runs fewer sequences
+        (prefilling ones counted) than it did since it last grew. A closed loop that sends a
+        finished stream's next request before the next step keeps its batch whole until its
+        last requests are sent."""
+        held = sum(1 for s in self.running if s.finish_reason is None)
+        if held > self._held or held >= self._peak:
+            self._peak = held
+        self._held = held
+        return not self.waiting and not self._arrivals and held < self._peak
 
     def _recalibrate(self, step_rows: int) -> None:
         """The target's T(r) measured again between two steps, where the live steps contradict
