@@ -79,13 +79,13 @@ what a probe is expected to return -- the share of probes followed by drafting t
 gains seen would add to the step's rate -- between HOPELESS_SHARE and EXPLORE_SHARE: one sequence
 found drafting adds ~40% at one stream, a few per cent to a step of 16.
 A batch that drains (no request waits and it runs fewer sequences than it did since it last
-grew: the scheduler's `draining`) ends when its longest sequence does: the steps the others take ride on
-the ones that sequence needs anyway. So while it drains, both decisions weigh each sequence's
-expected accepted tokens by its tokens left over the batch's mean (`drain_weights`): at 4
-streams, trees sized by gain alone left the chat sequences (the lowest acceptance) the longest
-ones, the last of a pass ran 12 steps alone where budget 4's ran 6, and the drain cost auto ~2%
-of the pass against budget 4. The weights only choose; what a step predicts, and is checked
-against, is its unweighted tokens.
+grew: the scheduler's `draining`) ends when its longest sequence does: the steps the others
+take ride on the ones that sequence needs anyway. So while it drains, both decisions weigh each
+sequence's expected accepted tokens by its tokens left over the batch's mean (`drain_weights`):
+at 4 streams, trees sized by gain alone left the chat sequences (the lowest acceptance) the
+longest ones, the last of a pass ran 12 steps alone where budget 4's ran 6, and the drain cost
+auto ~2% of the pass against budget 4. The weights only choose; what a step predicts, and is
+checked against, is its unweighted tokens.
 The pieces are learned apart, so each band also checks their sum against its steps as a whole:
 an option with trees is weighed at what the band's steps with trees realized of the rate
 predicted for them, over what its plain steps realized of theirs (`tree_rate`, at most 1).
