@@ -1162,10 +1162,10 @@ def test_a_draining_batch_weighs_each_sequences_tokens_by_what_it_has_left():
     drains, each sequence's expected tokens count for its tokens left over the batch's mean: the
     plan drafts, and `choose` grows, the long sequence's tree first; what the step predicts (and
     is checked against) stays its unweighted tokens."""
-    long, short = BudgetPolicy(CostCurve()).sequence(), BudgetPolicy(CostCurve()).sequence()
+    long, short = BudgetPolicy().sequence(), BudgetPolicy().sequence()
     long.remaining, short.remaining = 60, 4
     assert drain_weights([short, long]) == [0.125, 1.875]
-    long.remaining = None  # unknown (a request without max_tokens' bound): no weights
+    long.remaining = None  # not known (the scheduler sets it each step): no weights
     assert drain_weights([short, long]) == [1.0, 1.0]
 
     # choose, packed (T(r) = 10 + r ms, 2 streams): two alike trees, weighed 1.6 and 0.4
