@@ -12,13 +12,15 @@ SSE chunks. An engine replica that fails mid-request ends a stream with an error
 
 # No `from __future__ import annotations` here: FastAPI reads the route annotations at runtime.
 import asyncio
+import contextlib
+import contextvars
 import hmac
 import json
 import logging
 import os
 import time
 import uuid
-from typing import Annotated, Any, AsyncIterator, Literal
+from typing import Annotated, Any, AsyncIterator, Awaitable, Callable, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,9 +42,11 @@ from .config import ServeConfig
 logger = logging.getLogger("ray.serve")
 
 HEALTH_TIMEOUT_S = 5.0  # /health waits this long for an engine replica before saying 503
-# Until an engine replica has answered this ingress once, /health waits only this long for the
-# first answer: an engine that is up answers in milliseconds, one still loading says "loading".
+# In its first this-long after the ingress starts, /health waits for the engine's first answer
+# (an engine that is up answers in milliseconds); later, one still loading says "loading" at once.
 HEALTH_FIRST_ANSWER_S = 1.0
+HEALTH_STATUS_TIMEOUT_S = 2.0  # an unhealthy /health reads Serve's status for its reason at most this long
+ENGINE_PING_RETRY_S = 0.5  # EngineReadiness asks again this long after a failed ask
 # /health's 503s: status -> (error code, message)
 UNHEALTHY = {
     "loading": ("engine_loading", "the engine is loading the model; retry shortly"),
@@ -419,6 +423,52 @@ async def _unexpected(request: Request, err: Exception):
 # --- the ingress deployment -------------------------------------------------------------------
 
 
+class EngineReadiness:
+    """Whether an engine replica has answered this ingress yet, learned outside any request.
+
+    Serve starts the ingress without waiting for the engine deployment's constructor (minutes
+    for a large model), and a call to the engine waits until a replica runs. So one task of the
+    ingress's own asks the engine until it answers once; /health only waits on what that task
+    learns. The task runs in an empty context: Serve links a call made inside a request to that
+    request and cancels it when the client gives up, and a probe's cancellation must never
+    decide what later probes see (it once turned every later /health into a 500)."""
+
+    def __init__(self, ask: Callable[[], Awaitable[Any]]):
+        self.ask = ask
+        self.event = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        self.started = 0.0  # the event loop's time when the asking began
+        with contextlib.suppress(RuntimeError):  # a constructor run on the replica's event loop
+            self.start()
+
+    def start(self) -> None:
+        if self.task is None:
+            loop = asyncio.get_running_loop()
+            self.started = loop.time()
+            self.task = loop.create_task(self._until_answered(), context=contextvars.Context())
+
+    async def _until_answered(self) -> None:
+        while True:
+            try:
+                await self.ask()
+            except Exception:  # e.g. the replica died before answering: ask again
+                logger.info("ddtree: the engine did not answer yet; asking again", exc_info=True)
+                await asyncio.sleep(ENGINE_PING_RETRY_S)
+                continue
+            self.event.set()
+            return
+
+    async def answered(self, wait_s: float) -> bool:
+        """True once an engine replica has answered. In the first `wait_s` of asking (an engine
+        that is up answers in milliseconds) it waits for that; later it says at once."""
+        self.start()
+        left = self.started + wait_s - asyncio.get_running_loop().time()
+        if not self.event.is_set() and left > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.event.wait(), left)
+        return self.event.is_set()
+
+
 @serve.deployment
 @serve.ingress(app)
 class OpenAIIngress:
@@ -428,17 +478,19 @@ class OpenAIIngress:
         self.engine = engine.options(stream=True)
         self.info = engine.model_info
         self.guard = Guard(self.config)
-        self.first_answer: asyncio.Future | None = None  # the engine's first answer to this ingress
+        self.readiness = EngineReadiness(self._ping)
 
     @app.get("/health")
     async def health(self):
         """200 {"status": "ok"} when an engine replica answers. Otherwise 503 with Retry-After and
         OpenAI's error shape beside a "status": "draining" (after SIGTERM), "loading" (no engine
-        replica running yet: said at once while the first one builds the model, which the
-        ingress does not wait for; later, while one restarts) or "unavailable"."""
+        replica has answered this ingress yet: said at once while the first one builds the model;
+        later, while one restarts) or "unavailable". Every answer comes within
+        HEALTH_FIRST_ANSWER_S + HEALTH_TIMEOUT_S + HEALTH_STATUS_TIMEOUT_S, and a probe that gives
+        up early changes nothing: it asks the engine only for itself."""
         if self.guard.draining:
             return self._unhealthy("draining")
-        if not await self._engine_answered():
+        if not await self.readiness.answered(HEALTH_FIRST_ANSWER_S):
             return self._unhealthy("loading")
         try:
             await asyncio.wait_for(self._ping(), HEALTH_TIMEOUT_S)
@@ -454,24 +506,11 @@ class OpenAIIngress:
     async def _ping(self) -> dict:
         return await self.info.remote()
 
-    async def _engine_answered(self) -> bool:
-        """Whether an engine replica has answered this ingress yet. Serve starts the ingress
-        without waiting for the engine deployment's constructor (minutes for a large model), and
-        a call to the engine waits until a replica runs; so the first call waits in a task of its
-        own, and /health waits for it at most HEALTH_FIRST_ANSWER_S."""
-        if self.first_answer is not None and self.first_answer.done():
-            if self.first_answer.exception() is None:
-                return True
-            self.first_answer = None  # e.g. the replica died before answering: ask again
-        if self.first_answer is None:
-            self.first_answer = asyncio.ensure_future(self._ping())
-        done, _ = await asyncio.wait({self.first_answer}, timeout=HEALTH_FIRST_ANSWER_S)
-        return bool(done) and self.first_answer.exception() is None
-
     async def _engine_state(self) -> str:
-        """"loading" while the engine deployment has no running replica, else "unavailable"."""
+        """"loading" while the engine deployment has no running replica, else "unavailable"
+        (also when Serve's controller does not say within HEALTH_STATUS_TIMEOUT_S)."""
         try:
-            status = await asyncio.to_thread(serve.status)
+            status = await asyncio.wait_for(asyncio.to_thread(serve.status), HEALTH_STATUS_TIMEOUT_S)
             app_name = serve.get_replica_context().app_name
             states = status.applications[app_name].deployments[ENGINE_DEPLOYMENT].replica_states
             running = sum(n for state, n in states.items() if str(getattr(state, "value", state)) == "RUNNING")

@@ -9,6 +9,7 @@ Beside the session's `server` app, this module deploys two more from the same ti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -73,7 +74,7 @@ def good_request(base: str, headers: dict | None = None):
     """The server still serves: one short chat completion through the official client."""
     client = openai.OpenAI(base_url=base + "/v1", api_key=(headers or {}).get("Authorization", "Bearer x")[7:],
                            max_retries=0, timeout=60)
-    model = base.rsplit("/", 1)[-1] if base.endswith(("guarded", "fragile", "gated")) else MODEL
+    model = base.rsplit("/", 1)[-1] if base.endswith(("guarded", "fragile", "gated", "probed")) else MODEL
     reply = client.chat.completions.create(model=model, messages=CHAT, max_tokens=1, temperature=0)
     assert reply.usage.completion_tokens == 1
 
@@ -528,12 +529,11 @@ def test_a_non_stream_request_whose_replica_dies_is_a_503(apps):
     good_request(base)
 
 
-def test_health_says_loading_at_once_while_the_engine_starts(server, tiny_chat_model, tmp_path):
-    """/health used to say nothing quickly during a first start (minutes for a large model): each
-    probe waited HEALTH_TIMEOUT_S (5 s) for an engine replica, then read Serve's status, before
-    its 503. Now the ingress, which Serve starts without waiting for the engine's constructor,
-    answers 503 "loading" in OpenAI's error shape at once, and 200 once the engine runs. The
-    engine here is the real one, whose construction waits for a file: a large model's loading."""
+@contextlib.contextmanager
+def gated_app(server, model, gate, name: str):
+    """A real Serve app whose engine's construction waits for the file `gate` (a large model's
+    loading). Yields its base URL as soon as the ingress answers (the engine still loading);
+    serve.run, which returns once the engine runs, waits meanwhile in a thread."""
     from ray import serve
 
     from ddtree.serve.config import ServeConfig
@@ -546,39 +546,83 @@ def test_health_says_loading_at_once_while_the_engine_starts(server, tiny_chat_m
                 time.sleep(0.1)
             super().__init__(config)
 
-    gate = tmp_path / "loaded"
-    config = ServeConfig(model=str(tiny_chat_model), budget=0, block_size=4, engine_num_cpus=0,
-                         model_name="gated").model_dump()
+    config = ServeConfig(model=str(model), budget=0, block_size=4, engine_num_cpus=0, model_name=name).model_dump()
     engine = serve.deployment(GatedEngineServer).options(name="DDTreeEngine").bind(config, str(gate))
     app = OpenAIIngress.options(ray_actor_options={"num_cpus": 0}).bind(config, engine)
-    # serve.run returns once the engine runs: meanwhile it waits in a thread
-    deploy = threading.Thread(target=serve.run, args=(app,), kwargs={"name": "gated", "route_prefix": "/gated"})
+    deploy = threading.Thread(target=serve.run, args=(app,), kwargs={"name": name, "route_prefix": f"/{name}"})
     deploy.start()
-    base = server["base"] + "/gated"
+    base = server["base"] + f"/{name}"
     try:
-        answers = []
-        while len(answers) < 4:
+        # the ingress answers (a bad body's 400 asks no engine): a 404 until the route is there
+        while httpx.post(base + "/v1/chat/completions", json={}, timeout=60).status_code == 404:
+            time.sleep(0.2)
+        yield base, deploy
+    finally:
+        gate.touch()
+        deploy.join(300)
+        serve.delete(name)
+
+
+def assert_loading(r: httpx.Response):
+    assert r.status_code == 503 and r.headers["retry-after"], (r.status_code, r.text)
+    body = r.json()
+    assert body["status"] == "loading" and body["error"]["code"] == "engine_loading", body
+    assert body["error"]["type"] == "internal_error" and "loading" in body["error"]["message"]
+
+
+def test_health_says_loading_at_once_while_the_engine_starts(server, tiny_chat_model, tmp_path):
+    """/health used to say nothing quickly during a first start (minutes for a large model): each
+    probe waited HEALTH_TIMEOUT_S (5 s) for an engine replica, then read Serve's status, before
+    its 503. Now the ingress, which Serve starts without waiting for the engine's constructor,
+    answers 503 "loading" in OpenAI's error shape at once, and 200 once the engine runs. The
+    engine here is the real one, whose construction waits for a file: a large model's loading."""
+    gate = tmp_path / "loaded"
+    with gated_app(server, tiny_chat_model, gate, "gated") as (base, deploy):
+        for _ in range(4):
             started = time.perf_counter()
             r = httpx.get(base + "/health", timeout=60)
-            if r.status_code == 404:  # the route is not there yet
-                time.sleep(0.2)
-                continue
-            answers.append((r, time.perf_counter() - started))
-        for i, (r, seconds) in enumerate(answers):
-            assert r.status_code == 503 and r.headers["retry-after"], r.text
-            body = r.json()
-            assert body["status"] == "loading" and body["error"]["code"] == "engine_loading", body
-            assert body["error"]["type"] == "internal_error" and "loading" in body["error"]["message"]
-            # the first may wait for the ingress replica itself to start
-            assert i == 0 or seconds < 4, f"/health took {seconds:.1f} s to say loading"
+            seconds = time.perf_counter() - started
+            assert_loading(r)
+            assert seconds < 4, f"/health took {seconds:.1f} s to say loading"
         gate.touch()
         deploy.join(300)
         assert httpx.get(base + "/health", timeout=30).status_code == 200
         good_request(base)
-    finally:
+
+
+def test_health_probes_that_give_up_during_start_up_do_not_break_it(server, tiny_chat_model, tmp_path):
+    """A load balancer's or Kubernetes' probe gives up after its timeout (Kubernetes' default is
+    1 s). /health used to start its wait for the engine's first answer inside the first probe's
+    own request: when that client gave up, Serve cancelled the request and the engine call with
+    it, and from then on every probe read the cancelled call and answered 500 Internal Server
+    Error (plain text), for good, while completions worked -- a replica every orchestrator would
+    mark unhealthy. Now the ingress learns the engine's readiness outside any request: probes
+    that give up at 0.1-2 s while the engine loads change nothing, the ones that wait get 503
+    "loading", and /health says 200 once the engine runs."""
+    gate = tmp_path / "loaded"
+    with gated_app(server, tiny_chat_model, gate, "probed") as (base, deploy):
+        gave_up = 0
+        for timeout in (0.001, 0.1, 0.3, 0.5, 0.8, 1.0, 2.0) * 2:
+            try:
+                r = httpx.get(base + "/health", timeout=timeout)
+            except httpx.TimeoutException:
+                gave_up += 1
+                continue
+            assert_loading(r)
         gate.touch()
         deploy.join(300)
-        serve.delete("gated")
+        # ready: the first probe that waits says so, and probes that give up now break nothing either
+        assert httpx.get(base + "/health", timeout=30).status_code == 200
+        for _ in range(3):
+            try:
+                httpx.get(base + "/health", timeout=0.001)
+            except httpx.TimeoutException:
+                gave_up += 1
+        r = httpx.get(base + "/health", timeout=30)
+        assert r.status_code == 200 and r.json() == {"status": "ok"}, r.text
+        good_request(base)
+    print(f"\n{gave_up} probes gave up; /health said loading, then ok")
+    assert gave_up >= 2  # the probes did give up: a millisecond is too short for any answer
 
 
 def test_drain_finishes_in_flight_requests_and_refuses_new_ones(apps):
