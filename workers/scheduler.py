@@ -43,7 +43,7 @@ import torch
 
 from ..kernels.batched import tree_metadata, walk_batch
 from ..kernels.sampling import draw_seed
-from ..kernels.tree import Tree, grow_tree
+from ..kernels.tree import Candidates, Lookup, Tree, grow_tree
 from ..kernels.tree_batch import TreeBatch
 from .batch_backends import BatchDrafter, BatchTarget, DraftRows, LocalBatchDrafter, LocalBatchTarget, TargetBatch
 from .requests import (Budget, Request, Result, RoundStats, Update, accepted_sources, check_budget, check_request, check_stop,
@@ -175,6 +175,48 @@ class _Sequence:
     @property
     def prefilled(self) -> bool:
         return self.length >= len(self.context)
+
+
+@dataclass(eq=False)
+class _Row:
+    """A decoding sequence's part of one step, from its plan to its commit."""
+
+    seq: _Sequence
+    nodes: int = 0  # drafted nodes: asked (a fixed budget's, cut by `grant`), drafted, then granted
+    auto: bool = False  # budget "auto" and drafting: the policy plans whether it drafts and sizes its tree
+    drafts: bool = False  # in this step's drafter pass
+    pending: int = 0  # target feature rows its draft would take in
+    proposal: Candidates | None = None  # the drafter's candidates, where it drafted
+    branch: Lookup | None = None  # its lookup branch, where it has one
+    tree: Tree | None = None  # what it verifies (the root alone where it has nothing to verify)
+    curve: list[float] | None = None  # an auto tree's expected accepted tokens by nodes (policy.curve)
+    gains: dict[int, float] | None = None  # a drafted auto tree's curve by verify bucket
+    draft_s: float = 0.0  # its share of the drafter's pass
+
+
+@dataclass
+class StepPlan:
+    """What a decode step verifies."""
+
+    rows: list[_Row]  # [B] the sequences verified, each with its tree
+    q_len: int  # verify rows per sequence, trees padded to it (a VERIFY_BUCKETS entry)
+    drafted: int  # sequences in the drafter's pass
+    context: int  # target feature rows the drafter's pass took in
+    draft_s: float  # the drafter's pass and growing its trees: what the policy prices a draft at
+    tree_s: float  # from the drafter's pass to the trees chosen
+    probed: set[int]  # ids of the sequences the policy probed
+
+
+@dataclass
+class StepOutcome:
+    """What the verify pass accepted."""
+
+    paths: torch.Tensor  # [B, Q] int64: each row's accepted node indices, root first (then padding)
+    lengths: list[int]  # [B] accepted nodes per row, its root included
+    bonus: list[int]  # [B] the target's token after each accepted path
+    features: list[torch.Tensor] | None  # [B] of [n_b, F]: the accepted nodes' target features
+    verify_s: float  # the target's forward
+    walk_s: float  # the walks and the KV moves
 
 
 class Scheduler:
@@ -373,107 +415,141 @@ class Scheduler:
         return tree_rows(budget, self.drafter.block_size if self.drafter is not None else 1) - 1
 
     def _decode(self) -> list[_Sequence]:
-        rows = [s for s in self.running if s.prefilled and s.finish_reason is None]
+        """4-7 of `step` for every prefilled sequence: plan (who drafts, the drafter's pass, each
+        tree, Q, pages), execute (one verify pass, the walks, the KV moves), commit, observe."""
+        rows = [_Row(s) for s in self.running if s.prefilled and s.finish_reason is None]
         if not rows:
             return []
-        draining = self._draining()
-        # 4. one drafter pass for every drafting sequence. Fixed budgets ask for their nodes (cut
-        #    to the step's row limit, `grant`); the policy plans which auto sequences draft, and
-        #    how wide, then chooses the step's Q from what they drafted.
+        started = time.perf_counter()
+        plan = self._plan(rows)
+        rows = self._reserve(plan)
+        if not rows:
+            return []
+        outcome = self._execute(plan)
+        for row, path, n, bonus, features in zip(rows, outcome.paths, outcome.lengths, outcome.bonus,
+                                                 outcome.features or [None] * len(rows)):
+            self._commit(row, plan, outcome, path[:n], bonus, features)
+        rest_s = time.perf_counter() - started - outcome.verify_s - plan.draft_s
+        self.policy.observe_step(len(rows), plan.q_len, outcome.verify_s, plan.drafted, plan.draft_s, rest_s,
+                                 sum(r.tree.size - 1 for r in rows), plan.context)
+        if self.policy.misfit() and any(r.seq.budget == "auto" for r in rows):
+            self._recalibrate(len(rows) + sum(r.tree.size - 1 for r in rows))
+        return [r.seq for r in rows]
+
+    def _plan(self, rows: list[_Row]) -> StepPlan:
+        """4. Who drafts, the drafter's one pass over them, and each row's tree. Fixed budgets ask
+        for their nodes (cut to the step's row limit, `grant`); the policy plans which auto
+        sequences draft and how wide, then chooses each auto tree's nodes from what they drafted."""
         t0 = time.perf_counter()
-        auto = [b for b, s in enumerate(rows) if s.budget == "auto" and s.drafting]
-        granted, q_max = grant([0 if s.budget == "auto" else self._nodes(s.budget) for s in rows], self.limits)
-        fixed = [b for b, (seq, nodes) in enumerate(zip(rows, granted)) if nodes and seq.drafting]
+        draining = self._draining()
+        asked = [0 if r.seq.budget == "auto" else self._nodes(r.seq.budget) for r in rows]
+        granted, q_max = grant(asked, self.limits)
+        for r, nodes in zip(rows, granted):
+            r.nodes, r.auto = nodes, r.seq.budget == "auto" and r.seq.drafting
+            r.pending = r.seq.features.rows  # what its draft would take in
+        fixed = [r for r in rows if r.nodes and r.seq.drafting]
+        for r in fixed:
+            r.drafts = True
         q_floor = bucket(1 + max(granted))
         buckets = [q for q in VERIFY_BUCKETS if q_floor <= q <= q_max and q - 1 <= self.policy.cap] or [q_floor]
-        # the target features each row would give the drafter to take in, were it to draft
-        pending = {b: rows[b].features.rows for b in auto + fixed}
-        for b in auto:
-            rows[b].estimate.context = pending[b]
-            rows[b].estimate.remaining = rows[b].request.max_tokens - len(rows[b].output)
-        fixed_asked = sum(granted[b] for b in fixed)  # the fixed budgets' nodes, before their trees grow
-        baseline = self.policy.baseline_due(len(rows), fixed_asked)  # a plain step, to measure T(B)
-        estimates = [rows[b].estimate for b in auto]
-        plan = (self.policy.rest(estimates) if baseline
-                else self.policy.plan(len(rows), len(fixed), buckets, estimates, fixed_asked, draining))
-        probed = {rows[auto[i]].id for i in self.policy.probed}  # ids: `_reserve` may drop rows
-        auto = [b for b, drafts in zip(auto, plan) if drafts]
-        for b in auto:  # each drafted tree grown as wide as the policy may grant it (`draft_width`)
-            granted[b] = rows[b].estimate.draft_width(buckets[-1] - 1)
-        drafting = sorted(fixed + auto)
-        candidates, context = {}, sum(pending[b] for b in drafting)
-        if drafting:
-            proposals = self.drafter.propose(DraftRows(
-                ids=[rows[b].id for b in drafting],
-                features=[rows[b].features.joined() for b in drafting],
-                bonus=[rows[b].output[-1] for b in drafting],
-                start=[rows[b].length for b in drafting],
-                top_k=[1 if rows[b].budget == "chain" else granted[b] for b in drafting],
-                depths=[rows[b].estimate.draft_depth(granted[b]) if b in auto else granted[b] for b in drafting],
-            ))
-            for b, proposal in zip(drafting, proposals):
-                rows[b].features.clear()
-                candidates[b] = proposal
-        t1 = time.perf_counter()
-        # where nothing drafts, a chain too improbable to pay alone is not built or priced
-        floor = 0.0 if baseline or drafting or not estimates else self.policy.lookup_floor(
-            len(rows), (buckets[-1] - 1) * len(rows))  # the plan's node floor of this step
-        branches = {} if baseline else self._lookup_branches(rows, floor)
-        # an auto sequence the plan left out verifies its lookup branch alone, if it has one
-        auto_trees = sorted(set(auto) | {b for b in branches if rows[b].budget == "auto"})
-        for b in auto_trees:
-            if b not in candidates:
-                granted[b] = buckets[-1] - 1
-        # a lookup chain alone is grown once the step's Q is chosen (most steps of a busy batch
-        # choose Q = 1): its gains follow from the chain's probabilities
-        t_grow = time.perf_counter()
-        trees = [grow_tree(seq.output[-1], candidates[b], granted[b], branches.get(b))
-                 if b in candidates else Tree.root_only(seq.output[-1]) for b, seq in enumerate(rows)]
-        # the policy prices a draft as the drafter's pass and growing its trees (at 4 streams
-        # growing 4 drafted trees took ~5 ms, which it had counted in the rest of the step)
-        draft_cost = (t1 - t0) + (time.perf_counter() - t_grow if drafting else 0.0)
         most = buckets[-1] - 1
-        curves = {b: self.policy.curve(trees[b], rows[b].estimate, most, root=len(rows[b].output) - 1)
-                  if b in candidates else self.policy.chain_curve(branches[b], most) for b in auto_trees}
-        if auto_trees:  # the policy's nodes per auto tree: each its best-first prefix of them
-            fixed_nodes = sum(trees[b].size - 1 for b in range(len(rows)) if b not in curves)
-            decision = self.policy.choose(len(rows), buckets, list(curves.values()), draft_cost, fixed_nodes,
-                                          [rows[b].estimate.weight for b in curves])
-            for b, nodes in zip(auto_trees, decision.nodes):
-                granted[b] = nodes
-                if b in candidates:
-                    trees[b] = trees[b].prefix(nodes)
-                    rows[b].estimate.depth, rows[b].estimate.nodes = int(trees[b].depths.max()), trees[b].size - 1
-                elif nodes:
-                    trees[b] = grow_tree(rows[b].output[-1], None, nodes, branches[b])
-        draft_s = [(t1 - t0) / len(drafting) if b in candidates else 0.0 for b in range(len(rows))]
-        tree_s = time.perf_counter() - t1
-        # a tree verified without drafting (a lookup branch alone) says nothing of the gains
-        # drafting would bring: a sequence's estimated gains move only with its drafted trees
-        gains = {b: by_bucket(c, buckets) for b, c in curves.items() if b in candidates}
-        q_len = bucket(max(t.size for t in trees))
-        rows, trees, draft_s, granted, gains = self._reserve(rows, trees, draft_s, granted, gains, q_len)
-        if not rows:
-            return []
+        auto = [r for r in rows if r.auto]
+        for r in auto:
+            r.seq.estimate.context = r.pending
+            r.seq.estimate.remaining = r.seq.request.max_tokens - len(r.seq.output)
+        fixed_asked = sum(r.nodes for r in fixed)  # the fixed budgets' nodes, before their trees grow
+        baseline = self.policy.baseline_due(len(rows), fixed_asked)  # a plain step, to measure T(B)
+        estimates = [r.seq.estimate for r in auto]
+        drafts = (self.policy.rest(estimates) if baseline
+                  else self.policy.plan(len(rows), len(fixed), buckets, estimates, fixed_asked, draining))
+        probed = {auto[i].seq.id for i in self.policy.probed}
+        for r, d in zip(auto, drafts):
+            if d:  # each drafted tree grown as wide as the policy may grant it
+                r.drafts, r.nodes = True, r.seq.estimate.draft_width(most)
+        drafting = [r for r in rows if r.drafts]
+        self._draft(drafting)
+        t1 = time.perf_counter()
 
-        # 5. verify: one forward over every tree, padded to Q rows each
-        t2 = time.perf_counter()
-        dev = self.target.device
-        batch = TreeBatch.of(trees, q_len, dev)
-        meta = tree_metadata(batch, torch.tensor([s.length for s in rows], dtype=torch.int64, device=dev))
+        # where nothing drafts, a chain too improbable to pay alone is not built or priced
+        floor = 0.0 if baseline or drafting or not estimates else self.policy.lookup_floor(len(rows), most * len(rows))
+        if not baseline:
+            self._lookup_branches(rows, floor)
+        # an auto sequence the plan left out verifies its lookup branch alone, if it has one
+        auto_trees = [r for r in rows if (r.auto and r.drafts) or (r.branch is not None and r.seq.budget == "auto")]
+        for r in auto_trees:
+            if r.proposal is None:
+                r.nodes = most
+        t_grow = time.perf_counter()
+        for r in rows:  # a lookup chain alone is grown once the policy chose its nodes
+            r.tree = (grow_tree(r.seq.output[-1], r.proposal, r.nodes, r.branch) if r.proposal is not None
+                      else Tree.root_only(r.seq.output[-1]))
+        # the policy prices a draft as the drafter's pass and growing its trees
+        draft_s = (t1 - t0) + (time.perf_counter() - t_grow if drafting else 0.0)
+        for r in auto_trees:
+            r.curve = (self.policy.curve(r.tree, r.seq.estimate, most, root=len(r.seq.output) - 1)
+                       if r.proposal is not None else self.policy.chain_curve(r.branch, most))
+        if auto_trees:
+            self._choose(rows, auto_trees, buckets, draft_s)
+        for r in drafting:
+            r.draft_s = (t1 - t0) / len(drafting)
+        for r in auto_trees:
+            # a tree verified without drafting (a lookup branch alone) says nothing of the gains
+            # drafting would bring: a sequence's estimated gains move only with its drafted trees
+            if r.proposal is not None:
+                r.gains = by_bucket(r.curve, buckets)
+        return StepPlan(rows, bucket(max(r.tree.size for r in rows)), len(drafting), sum(r.pending for r in drafting),
+                        draft_s, time.perf_counter() - t1, probed)
+
+    def _draft(self, drafting: list[_Row]) -> None:
+        """The drafter's one pass over the drafting rows: each takes in its pending target
+        features and proposes candidates for its tree."""
+        if not drafting:
+            return
+        proposals = self.drafter.propose(DraftRows(
+            ids=[r.seq.id for r in drafting],
+            features=[r.seq.features.joined() for r in drafting],
+            bonus=[r.seq.output[-1] for r in drafting],
+            start=[r.seq.length for r in drafting],
+            top_k=[1 if r.seq.budget == "chain" else r.nodes for r in drafting],
+            depths=[r.seq.estimate.draft_depth(r.nodes) if r.auto else r.nodes for r in drafting],
+        ))
+        for r, proposal in zip(drafting, proposals):
+            r.seq.features.clear()
+            r.proposal = proposal
+
+    def _choose(self, rows: list[_Row], auto_trees: list[_Row], buckets: list[int], draft_s: float) -> None:
+        """The policy's nodes for each auto tree: each keeps its best-first prefix of them (a
+        lookup branch alone is grown to them)."""
+        fixed_nodes = sum(r.tree.size - 1 for r in rows if r.curve is None)
+        decision = self.policy.choose(len(rows), buckets, [r.curve for r in auto_trees], draft_s, fixed_nodes,
+                                      [r.seq.estimate.weight for r in auto_trees])
+        for r, nodes in zip(auto_trees, decision.nodes):
+            r.nodes = nodes
+            if r.proposal is not None:
+                r.tree = r.tree.prefix(nodes)
+                r.seq.estimate.depth, r.seq.estimate.nodes = int(r.tree.depths.max()), r.tree.size - 1
+            elif nodes:
+                r.tree = grow_tree(r.seq.output[-1], None, nodes, r.branch)
+
+    def _execute(self, plan: StepPlan) -> StepOutcome:
+        """5-6. One target forward over every tree, padded to Q rows each; each row's choice (made
+        by its own rule, on the target's side), the walks, and the moves of every accepted path's
+        KV rows in the pool at once."""
+        rows, dev = plan.rows, self.target.device
+        t0 = time.perf_counter()
+        seqs, trees = [r.seq for r in rows], [r.tree for r in rows]
+        batch = TreeBatch.of(trees, plan.q_len, dev)
+        meta = tree_metadata(batch, torch.tensor([s.length for s in seqs], dtype=torch.int64, device=dev))
         capture = self.record_features or (
-            tuple(self.drafter.target_layer_ids) if any(s.budget != 0 for s in rows) else ())
+            tuple(self.drafter.target_layer_ids) if any(s.budget != 0 for s in seqs) else ())
         out = self.target.forward(TargetBatch(
             tokens=batch.tokens, positions=meta.positions, mask=TreeBits(meta.bits),
-            tables=[s.pages for s in rows], lengths=[s.length for s in rows], capture=capture, logits_to_keep=0,
-            sampling=[s.request.sampling for s in rows], seeds=[s.seed for s in rows],
+            tables=[s.pages for s in seqs], lengths=[s.length for s in seqs], capture=capture, logits_to_keep=0,
+            sampling=[s.request.sampling for s in seqs], seeds=[s.seed for s in seqs],
             draw_positions=meta.positions + 1,  # each node's choice is the token after it
             rows=[t.size for t in trees],
         ))
-        t3 = time.perf_counter()
-
-        # 6. each row's choice (made by its own rule, on the target's side), the walks, the KV
-        #    moves of the accepted paths
+        t1 = time.perf_counter()
         walk = walk_batch(batch, out.choices.to(dev))
         paths, lengths, bonus = walk.path.cpu(), walk.length.tolist(), walk.bonus.tolist()
         # every accepted path's KV rows to the positions after its committed prefix, in one
@@ -481,52 +557,43 @@ class Scheduler:
         width = max(lengths)
         kept = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
         if width > 1:  # where every path is its root alone (a plain step) no KV row moves
-            starts = torch.tensor([s.length for s in rows])[:, None]
-            tables = [s.pages for s in rows]
+            starts = torch.tensor([s.length for s in seqs])[:, None]
+            tables = [s.pages for s in seqs]
             src_slots = self.pool.slots(tables, starts + torch.where(kept, paths[:, :width], 0))[kept]
             dst_slots = self.pool.slots(tables, starts + torch.arange(width)[None, :].where(kept, 0))[kept]
             moved = src_slots != dst_slots
             self.target.move(src_slots[moved], dst_slots[moved])
-        # the accepted paths' target features in one gather, each row's a view of it (a gather
-        # per row was 64 small copies a step at 64 streams)
-        kept_features = None if out.features is None else out.features[
-            torch.arange(len(rows))[:, None].expand(-1, width)[kept], paths[:, :width][kept]].split(lengths)
-        t4 = time.perf_counter()
+        # the accepted paths' target features in one gather, each row's a view of it
+        features = None if out.features is None else list(out.features[
+            torch.arange(len(rows))[:, None].expand(-1, width)[kept], paths[:, :width][kept]].split(lengths))
+        return StepOutcome(paths, lengths, bonus, features, t1 - t0, time.perf_counter() - t1)
 
-        for b, (seq, tree) in enumerate(zip(rows, trees)):
-            n = lengths[b]
-            path = paths[b, :n]
-            seq.length += n
-            self.pool.shrink(seq.pages, seq.length + 1)
-            if kept_features is not None and (seq.budget != 0 or self.record_features):
-                seq.features.add(kept_features[b][None])
-            before = len(seq.output)
-            if n > 1:
-                seq.output.extend(tree.tokens[path[1:]].tolist())
-            seq.output.append(bonus[b])
-            seq.finish_reason, seq.text = check_stop(seq.request, seq.output, self.decode)
-            if seq.lookup is not None:  # what the request emitted: the path past a stop is not
-                seq.lookup.observe(tree, path[: 1 + min(n - 1, len(seq.output) - before)].tolist())
-            per_depth = tuple(torch.bincount(tree.depths)[1:].tolist()) if tree.size > 1 else ()
-            predicted = None
-            if seq.budget == "auto" and seq.estimate is not None:
-                predicted = self.policy.observe_round(seq.estimate, tree, gains.get(b), path.tolist())
-                self.policy.hindsight(seq.estimate, seq.output, finished=seq.finish_reason is not None)
-                granted_budget = granted[b]
-            elif seq.budget == "chain" and granted[b] == self._nodes("chain"):
-                granted_budget = "chain"
-            else:
-                granted_budget = granted[b]
-            seq.rounds.append(RoundStats(tree.size, n - 1, draft_s[b], tree_s, t3 - t2, t4 - t3, per_depth,
-                                         budget=granted_budget, predicted=predicted, probe=seq.id in probed,
-                                         accepted_sources=accepted_sources(tree, path)))
-        t5 = time.perf_counter()
-        nodes = sum(t.size - 1 for t in trees)
-        self.policy.observe_step(len(rows), q_len, t3 - t2, len(drafting), draft_cost,
-                                 (t5 - t0) - (t3 - t2) - draft_cost, nodes, context)
-        if self.policy.misfit() and any(s.budget == "auto" for s in rows):
-            self._recalibrate(len(rows) + nodes)
-        return rows
+    def _commit(self, row: _Row, plan: StepPlan, outcome: StepOutcome, path: torch.Tensor, bonus: int,
+                features: torch.Tensor | None) -> None:
+        """7. One row's accepted tokens and bonus into its sequence; its round's statistics; the
+        policy's estimate of an auto sequence learns from what its tree accepted."""
+        seq, tree, n = row.seq, row.tree, len(path)
+        seq.length += n
+        self.pool.shrink(seq.pages, seq.length + 1)
+        if features is not None and (seq.budget != 0 or self.record_features):
+            seq.features.add(features[None])
+        before = len(seq.output)
+        if n > 1:
+            seq.output.extend(tree.tokens[path[1:]].tolist())
+        seq.output.append(bonus)
+        seq.finish_reason, seq.text = check_stop(seq.request, seq.output, self.decode)
+        if seq.lookup is not None:  # what the request emitted: the path past a stop is not
+            seq.lookup.observe(tree, path[: 1 + min(n - 1, len(seq.output) - before)].tolist())
+        per_depth = tuple(torch.bincount(tree.depths)[1:].tolist()) if tree.size > 1 else ()
+        predicted, budget = None, row.nodes
+        if seq.budget == "auto" and seq.estimate is not None:
+            predicted = self.policy.observe_round(seq.estimate, tree, row.gains, path.tolist())
+            self.policy.hindsight(seq.estimate, seq.output, finished=seq.finish_reason is not None)
+        elif seq.budget == "chain" and row.nodes == self._nodes("chain"):
+            budget = "chain"
+        seq.rounds.append(RoundStats(tree.size, n - 1, row.draft_s, plan.tree_s, outcome.verify_s, outcome.walk_s,
+                                     per_depth, budget=budget, predicted=predicted, probe=seq.id in plan.probed,
+                                     accepted_sources=accepted_sources(tree, path)))
 
     def _draining(self) -> bool:
         """Whether the batch drains at this step: no request waits, and it runs fewer sequences
@@ -557,32 +624,28 @@ class Scheduler:
                        "again: %s (was %s)%s", misfits, measured, CostCurve(before),
                        "" if taken else "; not taken: it cannot be the machine's (is another process running?)")
 
-    def _lookup_branches(self, rows: list[_Sequence], floor: float = 0.0) -> dict:
-        """Row -> its lookup branch (kernels.tree.Lookup), for the rows with lookup on and a
-        match in their context; `floor`: the first-node probability an auto row's chain must
-        beat (BudgetPolicy.lookup_floor), else it has none."""
-        branches = {}
-        for b, seq in enumerate(rows):
-            if seq.lookup is not None and seq.drafting:
-                branch = seq.lookup.propose(seq.output, floor=floor if seq.budget == "auto" else 0.0)
-                if branch is not None:
-                    branches[b] = branch
-        return branches
+    def _lookup_branches(self, rows: list[_Row], floor: float = 0.0) -> None:
+        """Each row's lookup branch (kernels.tree.Lookup), for the rows with lookup on and a match
+        in their context; `floor`: the first-node probability an auto row's chain must beat
+        (BudgetPolicy.lookup_floor), else it has none."""
+        for r in rows:
+            if r.seq.lookup is not None and r.seq.drafting:
+                r.branch = r.seq.lookup.propose(r.seq.output, floor=floor if r.seq.budget == "auto" else 0.0)
 
-    def _reserve(self, rows, trees, draft_s, granted, gains, q_len):
+    def _reserve(self, plan: StepPlan) -> list[_Row]:
         """Grows every row's pages to hold its verify block (positions length ... + Q - 1),
-        preempting the latest-admitted sequences when the pool runs out."""
-        for seq in list(rows):
-            if seq not in self.running:  # preempted by an earlier row of this loop
+        preempting the latest-admitted sequences when the pool runs out; the plan keeps the rows
+        still running."""
+        for r in plan.rows:
+            if r.seq not in self.running:  # preempted by an earlier row of this loop
                 continue
             try:
-                self._make_room(seq, seq.length + q_len)
+                self._make_room(r.seq, r.seq.length + plan.q_len)
             except PoolFull:
                 pass  # it ended ("length") and is emitted as finished
         running = set(self.running)
-        keep = [i for i, s in enumerate(rows) if s in running and s.finish_reason is None]
-        return ([rows[i] for i in keep], [trees[i] for i in keep], [draft_s[i] for i in keep],
-                [granted[i] for i in keep], {new: gains[i] for new, i in enumerate(keep) if i in gains})
+        plan.rows = [r for r in plan.rows if r.seq in running and r.seq.finish_reason is None]
+        return plan.rows
 
     def _make_room(self, seq: _Sequence, positions: int) -> None:
         """Preempts the latest-admitted other sequences until `seq` can hold `positions`; a
