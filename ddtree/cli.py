@@ -14,9 +14,9 @@ from .config import GenerateConfig, ModelPairConfig, SamplingParams
 from .flags import add_field_flags, field_values, flag_name
 
 # The flags that set config fields: each takes its type, default and help from the field.
-GENERATE_FIELDS = ("model", "drafter", "budget", "lookup", "max_tokens", "stop", "dtype", "weights", "tp")
+GENERATE_FIELDS = ("model", "drafter", "budget", "lookup", "topk", "max_tokens", "stop", "dtype", "weights", "tp")
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")
-SERVE_FIELDS = ("model", "drafter", "budget", "lookup")  # on top of --config's
+SERVE_FIELDS = ("model", "drafter", "budget", "lookup", "topk")  # on top of --config's
 BENCH_FIELDS = ("model", "drafter", "dtype", "weights")
 
 

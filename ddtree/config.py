@@ -88,6 +88,11 @@ class ModelPairConfig(BaseModel):
         "rows; with 'auto' a sequence that does not draft may verify its lookup branch alone. A request may "
         "override it (speculation.lookup)."
     )
+    topk: int | None = Field(
+        None, ge=1, description="The most children a tree node may have (the drafter's candidates kept per "
+        "depth), whatever the budget: budget 16 with topk 1 is a chain padded to 17 verify rows. None = as many "
+        "as the budget (DDTree's own rule). A request may override it (speculation.topk)."
+    )
     block_size: int = Field(8, ge=2, description="Block size of the untrained default drafter.")
     dtype: Literal["float32", "float64", "bfloat16"] = Field("float32", description="Weights dtype.")
     weights: Literal["float", "native"] = Field(

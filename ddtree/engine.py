@@ -132,7 +132,7 @@ class Engine:
             target = LoadedTarget(None, load_tokenizer(directory), directory)  # the weights live in the shards
             threads = max(1, torch.get_num_threads() // config.tp)
             spec = WorkerSpec(str(directory), str(drafter_path) if drafter_path else None, config.block_size,
-                              config.dtype, config.tp, threads, config.lookup)
+                              config.dtype, config.tp, threads, config.lookup, config.topk)
             model_config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
             limits = batch_limits(config, model_config, dtype, device(config))
             instance = RayInstance(spec, config.budget, config.placement, limits)
@@ -150,7 +150,7 @@ class Engine:
             engine = cls(config, target, None, drafter.block_size)
             limits = batch_limits(config, target.model.config, dtype, target.model.device)
             engine.scheduler = Scheduler.local(target.model, drafter, config.budget, limits, engine.decode,
-                                               lookup=config.lookup)
+                                               lookup=config.lookup, topk=config.topk)
             # the budget policy's T(r), for the deployment's budget or any request's "auto" (tp > 1:
             # the SchedulerActor measures it)
             from .calibrate import step_costs
@@ -244,8 +244,9 @@ class Engine:
         stop: tuple[str, ...] = (),
         budget: Budget | None = None,
         lookup: bool | None = None,
+        topk: int | None = None,
     ) -> Request:
-        return Request(prompt, max_tokens, tuple(stop), self.eos_token_ids, sampling, budget, lookup)
+        return Request(prompt, max_tokens, tuple(stop), self.eos_token_ids, sampling, budget, lookup, topk)
 
     def chat_requests(self, user_messages: list[str], config: GenerateConfig) -> list[Request]:
         """`ddtree generate`'s requests: each message is one user turn."""

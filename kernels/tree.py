@@ -136,7 +136,8 @@ class Lookup:
     ngram: int = 0  # length of the matched n-gram (what the calibration is keyed by)
 
 
-def grow_tree(root_token: int, candidates: Candidates | None, budget: int, lookup: Lookup | None = None) -> Tree:
+def grow_tree(root_token: int, candidates: Candidates | None, budget: int, lookup: Lookup | None = None,
+              max_children: int | None = None) -> Tree:
     """The best-first heap of `build_tree`, over the drafter's top-K candidates per depth and,
     when given, a lookup branch merged into the same tree.
 
@@ -148,6 +149,8 @@ def grow_tree(root_token: int, candidates: Candidates | None, budget: int, looku
     token) is dropped. Scores never rise along a path, so parents pop before their children and
     the first n nodes are the best-first tree of budget n (`Tree.prefix`). Without a lookup
     branch this is exactly the drafter's DDTree (the same pops in the same order).
+    `max_children` (a request's topk): a node keeps its best children up to that many, whichever
+    source proposed them; later pops under a full parent are dropped (None: no bound but K).
 
     Worked example: root 7; drafter depth 1: 4 (.6), 5 (.3); depth 2: 9 (.8), 4 (.1) (as
     probabilities); lookup chain [5, 6] with probabilities [.9, .5]; budget 3:
@@ -167,6 +170,7 @@ def grow_tree(root_token: int, candidates: Candidates | None, budget: int, looku
 
     tokens, parents, depths, scores, sources = [root_token], [-1], [0], [0.0], [0]
     placed: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    children = [0]  # per node: its children so far
     on_chain = {0: 0}  # node -> its depth on the lookup chain (the root is the chain's start)
     # heap entry: (-score, insertion order, parent node, depth (1-based), rank at that depth or
     # -1 for the lookup chain's node at that depth)
@@ -193,6 +197,10 @@ def grow_tree(root_token: int, candidates: Candidates | None, budget: int, looku
             push(scores[parent] + lp[depth - 1][rank + 1], parent, depth, rank + 1)
         if (parent, token) in placed:  # proposed by both sources: it popped already, scored higher
             continue
+        if max_children is not None and children[parent] >= max_children:
+            continue
+        children[parent] += 1
+        children.append(0)
         node = len(tokens)
         placed[parent, token] = node
         tokens.append(token)

@@ -222,7 +222,7 @@ class EngineServer:
             except ValueError as err:
                 raise RequestError(str(err), "speculation.budget") from None
         return self.engine.request(prompt, max_tokens, sampling, tuple(body.get("stop") or ()), budget,
-                                   body.get("lookup"))
+                                   body.get("lookup"), body.get("topk"))
 
     # --- streaming ---------------------------------------------------------------------------
 
@@ -302,6 +302,7 @@ class EngineServer:
                     ("drafter", "lookup", "both"),
                     (sum(r.accepted_sources[i] for r in result.rounds) for i in range(3)))),
                 "lookup": request.lookup if request.lookup is not None else self.engine.config.lookup,
+                "topk": request.topk if request.topk is not None else self.engine.config.topk,
                 "tau": round(result.tau, 4),
             },
         }

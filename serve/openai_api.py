@@ -101,6 +101,10 @@ class Speculation(BaseModel):
         None, description="Lookup branches in this request's trees (prompt lookup merged into the draft "
         "tree); None = the server's default."
     )
+    topk: Annotated[StrictInt, Field(ge=1)] | None = Field(
+        None, description="The most children a node of this request's trees may have, whatever its budget "
+        "(budget 16 with topk 1: a chain padded to 17 verify rows); None = the server's default."
+    )
 
 
 # OpenAI parameters that would change what a request means, and the values that leave it
@@ -183,6 +187,7 @@ class _Sampling(BaseModel):
             "stop": self.stop or [],
             "budget": self.speculation.budget if self.speculation else None,
             "lookup": self.speculation.lookup if self.speculation else None,
+            "topk": self.speculation.topk if self.speculation else None,
         }
 
 

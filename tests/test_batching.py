@@ -415,3 +415,67 @@ def test_a_smollm2_batch_gives_plain_decoding_up_to_near_ties(smollm2):
                 failures.append((i, at, gap))
     assert sum(len(r.rounds) for r in batched) < sum(len(r.tokens) - 1 for r in batched), "drafts were accepted"
     assert not failures, f"divergences beyond a near-tie (request, token, gap): {failures}"
+
+
+def max_children(tree) -> int:
+    """The most children any node of `tree` has."""
+    parents = tree.parents[1:]
+    return int(torch.bincount(parents).max()) if len(parents) else 0
+
+
+def test_topk_one_at_budget_16_is_a_chain_padded_to_17_rows(tiny_checkpoint):
+    """SGLang's isolation run: budget 16 with topk 1 verifies a chain (one child per node, as deep
+    as the drafter's block) padded to the budget's 17 rows -- padding rows beside a real tree
+    smaller than its budget, the case that garbled the seeds' text. Greedy and seeded, with a
+    drafter that accepts most of its chain: every token is the target's own, and every round
+    verified 17 rows."""
+    hf, target, _ = tiny_checkpoint("llama", 97)
+    prompt = [5, 6, 7]
+    reference = hf_greedy(hf, prompt, MAX_TOKENS + 16)
+    drafter = OracleDrafter(prompt + reference, 97, 8, accuracy=0.8)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=11)
+    requests = [Request(prompt, MAX_TOKENS, budget=16, topk=1), Request(prompt, MAX_TOKENS, sampling=seeded, budget=16, topk=1)]
+    results = Scheduler.local(target, drafter, 0, BatchLimits(max_step_tokens=2 * 17)).generate(requests)
+    plain = Scheduler.local(target, drafter, 0).generate([Request(prompt, MAX_TOKENS, sampling=seeded)])[0]
+    assert results[0].tokens == reference[:MAX_TOKENS]
+    assert results[1].tokens == plain.tokens
+    for result in results:
+        assert all(r.verify_rows == 17 for r in result.rounds), [r.verify_rows for r in result.rounds]
+        assert all(r.tree_size <= 8 for r in result.rounds)  # a chain over the block's 7 depths at most
+    assert sum(r.accepted for r in results[0].rounds) > 0, "the chain was accepted: the padded rows were beside real ones"
+    solo = SoloLoop.local(target, drafter, 16).generate([Request(prompt, MAX_TOKENS, budget=16, topk=1)])[0]
+    assert solo.tokens == reference[:MAX_TOKENS] and all(r.tree_size <= 8 for r in solo.rounds)
+
+
+@pytest.mark.parametrize("topk", [1, 2, 3, None])
+def test_topk_bounds_every_nodes_children_and_changes_no_token(tiny_checkpoint, topk):
+    """topk is the most children a node may have, independent of the budget: every tree of a mixed
+    batch (budgets 4, 16, 64, the chain; greedy and seeded) keeps to it, and every output is the
+    request's own plain decoding. The engine's default applies where a request says nothing."""
+    hf, target, _ = tiny_checkpoint("llama", 97)
+    drafter = DFlashDrafter.untrained(target, block_size=8, seed=7)
+    requests = [r for r in mixed_requests(97, 12, seed=3) if r.budget not in (0,)]
+    for i, r in enumerate(requests):
+        r.topk = topk if i % 2 else None  # half ask for it, half take the engine's default
+    scheduler = Scheduler.local(target, drafter, 0, BatchLimits(max_num_seqs=6), topk=topk)
+    trees = []
+    original = scheduler._commit
+
+    def commit(row, *args):
+        trees.append((row.seq.budget, row.tree))
+        return original(row, *args)
+
+    scheduler._commit = commit
+    results = scheduler.generate(requests)
+    plain = Scheduler.local(target, drafter, 0).generate([Request(r.prompt, r.max_tokens, sampling=r.sampling)
+                                                          for r in requests])
+    assert [r.tokens for r in results] == [p.tokens for p in plain]
+    drafted = [(budget, tree) for budget, tree in trees if tree.size > 1]
+    assert drafted, "trees were drafted"
+    for budget, tree in drafted:
+        most = 1 if budget == "chain" else (budget if topk is None else min(topk, budget))
+        assert max_children(tree) <= most, (budget, topk, tree.parents.tolist())
+    if topk is None:  # DDTree's own rule: a budget's tree branches wider than one child somewhere
+        assert any(max_children(t) > 1 for b, t in drafted if b != "chain")
+    else:
+        assert any(max_children(t) == topk for b, t in drafted if b != "chain" and b >= topk)

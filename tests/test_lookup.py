@@ -105,6 +105,20 @@ def test_merged_tree_worked_example():
     assert torch.allclose(tree.scores.exp(), torch.tensor([1, .9, .72, .6], dtype=torch.float64))
 
 
+def test_max_children_keeps_each_nodes_best_children_whichever_source():
+    """A request's topk bounds every node's children, the lookup branch's included: in the worked
+    example with one child a node, the root keeps the chain's 5 (.9) over the drafter's 4 (.6),
+    5 keeps the drafter's 9 (.72) over the chain's 6 (.45), and the tree ends short of its budget
+    rather than give a node a second child. With two, it is the unbounded tree."""
+    c = Candidates([[math.log(.6), math.log(.3)], [math.log(.8), math.log(.1)]], [[4, 5], [9, 4]])
+    lookup = Lookup([5, 6], [math.log(.9), math.log(.5)], ngram=2)
+    one = grow_tree(7, c, 3, lookup, max_children=1)
+    assert one.tokens.tolist() == [7, 5, 9] and one.parents.tolist() == [-1, 0, 1]
+    assert grow_tree(7, c, 3, lookup, max_children=2).tokens.tolist() == grow_tree(7, c, 3, lookup).tokens.tolist()
+    wide = grow_tree(7, c, 6, lookup, max_children=2)
+    assert int(torch.bincount(wide.parents[1:]).max()) == 2 and wide.size - 1 == 6
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_merged_tree_is_the_best_first_tree_of_both_sources(seed):
     """The tree grown with a lookup branch holds exactly the `budget` best paths of the union

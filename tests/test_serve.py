@@ -149,6 +149,25 @@ def test_lookup_branches_per_request_on_the_accepting_model(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "speculation.lookup", r.text
 
 
+def test_topk_per_request_on_the_accepting_model(server):
+    """speculation.topk bounds a node's children whatever the budget: budget 16 with topk 1 (lookup off) runs
+    the accepting drafter's chain padded to 17 rows and accepts it; the text is the plain one and
+    usage says the topk it ran with. A topk below 1 is a 400 naming it."""
+    accepting = openai.OpenAI(base_url=server["base"] + "/accepting/v1", api_key="unused", max_retries=0)
+    kwargs = dict(model="accepting", messages=CHAT, max_tokens=24, temperature=0)
+    chain = accepting.chat.completions.create(extra_body={"speculation": {"budget": 16, "topk": 1, "lookup": False}},
+                                              **kwargs)
+    plain = accepting.chat.completions.create(extra_body={"speculation": {"budget": 0}}, **kwargs)
+    assert chain.choices[0].message.content == plain.choices[0].message.content
+    spec = chain.usage.model_dump()["speculation"]
+    assert spec["topk"] == 1 and spec["budget"] == 16 and spec["accepted_tokens"] > 0
+    assert spec["drafted_tokens"] <= spec["rounds"] * 3  # a chain: one node per drafted depth (block 4) at most
+    for bad in (0, "one"):
+        r = httpx.post(server["base"] + "/accepting/v1/chat/completions", timeout=120,
+                       json={**kwargs, "speculation": {"budget": 16, "topk": bad}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "speculation.topk", r.text
+
+
 BAD_REQUESTS = [
     ({"temperature": -0.5}, 400, "temperature"),
     ({"temperature": "hot"}, 400, "temperature"),

@@ -70,6 +70,7 @@ class WorkerSpec:
     tp: int  # tensor-parallel shards
     threads_per_worker: int  # torch threads of each shard (CPU)
     lookup: bool = False  # the scheduler's default for lookup branches (workers.lookup)
+    topk: int | None = None  # the scheduler's default for the most children a tree node may have
 
 
 def _device(spec: WorkerSpec, rank: int = 0) -> torch.device:
@@ -296,6 +297,7 @@ class SchedulerActor:
             self.limits,
             decode=self.decode if self.tokenizer is not None else None,
             lookup=self.spec.lookup,
+            topk=self.spec.topk,
         )
         if self.scheduler.drafter is not None:  # the budget policy's step cost over these shards (not cached)
             counts = row_counts(self.limits.max_step_tokens)

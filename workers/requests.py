@@ -54,6 +54,7 @@ class Request:
     sampling: SamplingParams = GREEDY
     budget: Budget | None = None  # overrides the engine's budget for this request
     lookup: bool | None = None  # lookup branches in its trees (workers.lookup); None = the engine's default
+    topk: int | None = None  # the most children a tree node may have; None = the engine's default
 
 
 @dataclass
@@ -71,6 +72,7 @@ class RoundStats:
     probe: bool = False  # budget "auto": it drafted as a probe (to learn its gains), not because they paid
     # accepted drafted tokens proposed by (the drafter alone, the lookup branch alone, both)
     accepted_sources: tuple[int, int, int] = (0, 0, 0)
+    verify_rows: int = 0  # the rows its verify pass held for it: the tree padded to the step's Q
 
 
 @dataclass
@@ -123,6 +125,16 @@ def check_request(request: Request) -> None:
         raise ValueError("the prompt is empty")
     if request.max_tokens < 1:
         raise ValueError("max_tokens must be at least 1")
+    if request.topk is not None and request.topk < 1:
+        raise ValueError("topk must be at least 1 (or None: as many children as the budget)")
+
+
+def kept_per_depth(budget: Budget, nodes: int, topk: int | None) -> int:
+    """The drafter's candidates a tree keeps per depth -- the most children a node may have: one
+    for a chain, else the nodes it may grow, at most `topk`."""
+    if budget == "chain":
+        return 1
+    return nodes if topk is None else min(nodes, topk)
 
 
 def check_stop(request: Request, out: list[int], decode: Callable[[list[int]], str] | None) -> tuple[str | None, str | None]:

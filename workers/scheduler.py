@@ -47,7 +47,7 @@ from ..kernels.tree import Candidates, Lookup, Tree, grow_tree
 from ..kernels.tree_batch import TreeBatch
 from .batch_backends import BatchDrafter, BatchTarget, DraftRows, LocalBatchDrafter, LocalBatchTarget, TargetBatch
 from .requests import (Budget, Request, Result, RoundStats, Update, accepted_sources, check_budget, check_request, check_stop,
-                       tree_rows)
+                       kept_per_depth, tree_rows)
 from .kv_pool import PageAllocator, PoolFull
 from .lookup import BATCH_DECAY as LOOKUP_BATCH_DECAY, LookupCalibration, SequenceLookup
 from .model import TreeBits
@@ -158,6 +158,7 @@ class _Sequence:
     seed: int | None
     arrived: float
     context: list[int]  # tokens to prefill: the prompt, or prompt + output[:-1] after a preemption
+    topk: int | None = None  # the most children a node of its trees may have (None: its budget's nodes)
     output: list[int] = field(default_factory=list)  # emitted completion tokens (pending bonus last)
     pages: list[int] = field(default_factory=list)  # block table in the KV pool
     length: int = 0  # positions of `context` in the pool (== len(context) once prefilled)
@@ -235,6 +236,7 @@ class Scheduler:
         decode: Callable[[list[int]], str] | None = None,
         policy: BudgetPolicy | None = None,  # budget "auto" (workers.policy); a fresh one by default
         lookup: bool = False,  # lookup branches in every tree unless a request says otherwise
+        topk: int | None = None,  # the most children a tree node may have unless a request says otherwise
         record_features: tuple[int, ...] = (),  # target layers every sequence keeps (Result.features); budget 0 only
     ):
         if limits.max_num_seqs > limits.max_step_tokens:
@@ -247,7 +249,7 @@ class Scheduler:
         self.budget = check_budget(budget, drafter is not None)
         self.policy = policy or BudgetPolicy()
         self.policy.packed = getattr(target, "packs_rows", False)  # its cost model follows the target's rows
-        self.lookup = lookup
+        self.lookup, self.topk = lookup, topk
         self.record_features = tuple(record_features)
         self.lookup_calibration = LookupCalibration(LOOKUP_BATCH_DECAY)  # engine-wide, every sequence's prior
         self.pool = PageAllocator(limits.kv_cache_tokens, limits.kv_page_tokens)  # the storage: the target's
@@ -264,10 +266,10 @@ class Scheduler:
     @classmethod
     def local(cls, model, drafter=None, budget: Budget = 0, limits: BatchLimits = BatchLimits(),
               decode: Callable[[list[int]], str] | None = None, policy: BudgetPolicy | None = None,
-              lookup: bool = False, record_features: tuple[int, ...] = ()) -> "Scheduler":
+              lookup: bool = False, topk: int | None = None, record_features: tuple[int, ...] = ()) -> "Scheduler":
         """Over a TargetModel and an optional Proposer (workers.drafter) in this process."""
         return cls(LocalBatchTarget(model), LocalBatchDrafter(drafter) if drafter is not None else None,
-                   budget, limits, decode, policy, lookup, record_features)
+                   budget, limits, decode, policy, lookup, topk, record_features)
 
     # --- the requests' side ---------------------------------------------------------------------
 
@@ -291,7 +293,8 @@ class Scheduler:
         held = len(self.running) + len(self.waiting) + len(self._arrivals)
         if held >= self.limits.max_num_seqs + self.limits.max_waiting:
             raise QueueFull(f"{self.limits.max_num_seqs} requests run and {self.limits.max_waiting} wait already")
-        seq = _Sequence(self._next_id, request, budget, draw_seed(request.sampling), time.perf_counter(), list(request.prompt))
+        seq = _Sequence(self._next_id, request, budget, draw_seed(request.sampling), time.perf_counter(), list(request.prompt),
+                        topk=self.topk if request.topk is None else request.topk)
         if budget == "auto":
             seq.estimate = self.policy.sequence()
         if budget not in (0, "chain") and (self.lookup if request.lookup is None else request.lookup):
@@ -481,7 +484,7 @@ class Scheduler:
                 r.nodes = most
         t_grow = time.perf_counter()
         for r in rows:  # a lookup chain alone is grown once the policy chose its nodes
-            r.tree = (grow_tree(r.seq.output[-1], r.proposal, r.nodes, r.branch) if r.proposal is not None
+            r.tree = (grow_tree(r.seq.output[-1], r.proposal, r.nodes, r.branch, r.seq.topk) if r.proposal is not None
                       else Tree.root_only(r.seq.output[-1]))
         # the policy prices a draft as the drafter's pass and growing its trees
         draft_s = (t1 - t0) + (time.perf_counter() - t_grow if drafting else 0.0)
@@ -497,7 +500,11 @@ class Scheduler:
             # drafting would bring: a sequence's estimated gains move only with its drafted trees
             if r.proposal is not None:
                 r.gains = by_bucket(r.curve, buckets)
-        return StepPlan(rows, bucket(max(r.tree.size for r in rows)), len(drafting), sum(r.pending for r in drafting),
+        # Q holds every tree, and a fixed budget's whole grant even where its tree came out smaller
+        # (a topk-limited or short one): a static-shape verify pads to its budget
+        q_len = bucket(max(max(r.tree.size for r in rows), max((1 + r.nodes for r in rows if r.drafts and not r.auto),
+                                                                default=1)))
+        return StepPlan(rows, q_len, len(drafting), sum(r.pending for r in drafting),
                         draft_s, time.perf_counter() - t1, probed)
 
     def _draft(self, drafting: list[_Row]) -> None:
@@ -510,7 +517,7 @@ class Scheduler:
             features=[r.seq.features.joined() for r in drafting],
             bonus=[r.seq.output[-1] for r in drafting],
             start=[r.seq.length for r in drafting],
-            top_k=[1 if r.seq.budget == "chain" else r.nodes for r in drafting],
+            top_k=[kept_per_depth(r.seq.budget, r.nodes, r.seq.topk) for r in drafting],
             depths=[r.seq.estimate.draft_depth(r.nodes) if r.auto else r.nodes for r in drafting],
         ))
         for r, proposal in zip(drafting, proposals):
@@ -593,7 +600,7 @@ class Scheduler:
             budget = "chain"
         seq.rounds.append(RoundStats(tree.size, n - 1, row.draft_s, plan.tree_s, outcome.verify_s, outcome.walk_s,
                                      per_depth, budget=budget, predicted=predicted, probe=seq.id in plan.probed,
-                                     accepted_sources=accepted_sources(tree, path)))
+                                     accepted_sources=accepted_sources(tree, path), verify_rows=plan.q_len))
 
     def _draining(self) -> bool:
         """Whether the batch drains at this step: no request waits, and it runs fewer sequences

@@ -18,7 +18,8 @@ import torch
 
 from ..kernels.sampling import draw_seed
 from ..kernels.tree import Tree, grow_tree
-from .requests import Budget, Request, Result, RoundStats, Update, check_budget, check_request, check_stop, tree_rows
+from .requests import (Budget, Request, Result, RoundStats, Update, check_budget, check_request, check_stop, kept_per_depth,
+                       tree_rows)
 from .sessions import DraftBackend, LocalDrafter, LocalTarget, Proposal, TargetBackend
 
 
@@ -132,7 +133,7 @@ class SoloLoop:
         t0 = time.perf_counter()
         proposal = None
         if draft is not None:
-            top_k = 1 if seq.budget == "chain" else seq.budget
+            top_k = kept_per_depth(seq.budget, seq.budget if seq.budget != "chain" else 1, seq.request.topk)
             proposal = draft.propose(seq.features, bonus, start, top_k)
             seq.features = None
         t1 = time.perf_counter()
