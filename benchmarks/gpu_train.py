@@ -110,7 +110,7 @@ def judged_tau(target, drafters: dict, files, limit: int, max_tokens: int, budge
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="the drafter shards, tokens.safetensors, report.json")
-    parser.add_argument("--workdir", default="/tmp/ddtree-gpu-sitting")
+    parser.add_argument("--workdir", default="/tmp/ddtree-gpu-train")
     parser.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--prompts", action="append", default=[], help="training prompts JSONL (repeatable)")

@@ -110,37 +110,6 @@ def test_export_loads_drafts_and_evaluates(trained, tmp_path):
     assert len(report["accuracy"]) == 3
 
 
-def test_per_prompt_tau_totals_each_drafter_as_eval_drafter_does(trained, tiny_chat_model, tmp_path, monkeypatch):
-    """benchmarks/per_prompt_tau.py: a drafter's tau over all the prompts is eval-drafter's on the
-    same prompts (the same reference continuations, the same rounds), a group's is its tokens over
-    its rounds, and a --mark outside the measured prompts is refused."""
-    import sys
-
-    from ddtree.bench import write_prompts
-
-    from .helpers import benchmark_script
-
-    target, work, *_ = trained
-    prompts = ["What is 2 plus 5?", "Hello", "What is 4 plus 7?"]
-    write_prompts(tmp_path / "p.jsonl", prompts)
-    early, late = (str(p) for p in sorted((work / "train" / "snapshots").iterdir())[:2])
-    args = ["per_prompt_tau.py", "--model", str(tiny_chat_model), "--drafter", early, "--drafter", late,
-            "--prompts", str(tmp_path / "p.jsonl"), "--limit", "3", "--max-tokens", "12", "--budget", "4"]
-    script = benchmark_script("per_prompt_tau")
-    monkeypatch.setattr(sys, "argv", args + ["--mark", "1", "--json", str(tmp_path / "tau.json")])
-    script.main()
-    report = json.loads((tmp_path / "tau.json").read_text())
-    for directory in early, late:
-        offline = eval_drafter(target, DFlashDrafter.load(directory, target.model), prompts, 12, [4])
-        assert report["tau"]["all"][directory] == pytest.approx(offline["tau"]["4"])
-        rounds, emitted = report["rounds"][directory], report["emitted"]
-        assert report["tau"]["marked"][directory] == pytest.approx(emitted[1] / rounds[1])
-        assert report["tau"]["the rest"][directory] == pytest.approx((emitted[0] + emitted[2]) / (rounds[0] + rounds[2]))
-    monkeypatch.setattr(sys, "argv", args + ["--mark", "3"])
-    with pytest.raises(SystemExit):
-        script.main()
-
-
 def test_export_can_cut_the_draft_vocabulary_to_the_most_used_ids(trained, tmp_path):
     """`--vocab-keep N`: the head covers only the N draft-vocabulary ids the training responses
     use most (counted here independently, held-out sequences excluded; ties at the cut go to
