@@ -63,9 +63,9 @@ test-fast: install prometheus
 gpu-check: install
 	$(BIN)/python benchmarks/gpu_check.py
 
-# A drafter sitting on a GPU: data, training, export and held-out tau against the clock, e.g.
+# A drafter training run on a GPU: data, training, export and held-out tau against the clock, e.g.
 #   make gpu-train ARGS="--prompts gsm8k-train.jsonl --skip-per-file 4400"
-GPU_TRAIN_OUT ?= runs/gpu-sitting
+GPU_TRAIN_OUT ?= runs/gpu-train
 gpu-train: install
 	$(BIN)/python benchmarks/gpu_train.py --out $(GPU_TRAIN_OUT) $(ARGS)
 

@@ -4,13 +4,13 @@ estimates, what-ifs, short writing tasks -- each a template of this file filled 
 this file.
 
 The drafter's self-written chat prompts are what SmolLM2 writes when asked for a question: short and
-alike, and they stopped paying on vicuna-bench (RESULTS.md, 2026-12-05). The questions people put
+alike, and they stopped paying on vicuna-bench (measured 2026-12-05). The questions people put
 to an assistant vary in kind and audience; this file writes them from ~55 templates over ~400
 hand-written topics, shuffled with a seed. No template is a judged prompt's wording, and the data
 stage refuses the judged files' prompts all the same. No topic is a judged chat prompt's subject
 either: the 43 that were or came near (natural selection, vaccines, critical thinking, Python
-against JavaScript, ...) were taken out after s39 and s41 had trained on them (RESULTS.md,
-2026-12-05, thirty-sixth session); tests/test_shaped_prompts.py checks every topic against
+against JavaScript, ...) were taken out on 2026-12-05, after two data files had trained the drafter on them;
+tests/test_shaped_prompts.py checks every topic against
 vicuna-bench.
 
     python benchmarks/chat_prompts.py --out runs/chat-open.jsonl [--limit 2500] [--seed 0]

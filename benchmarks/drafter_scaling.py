@@ -112,12 +112,12 @@ def plot(rows: list[dict], path: str) -> None:
     for r in rows:
         ax1.annotate(f"{r['tokens'] / 1e3:.0f}k tok", (r["step"], r["tau"][domains[0]][widest]),
                      textcoords="offset points", xytext=(0, 6), fontsize=7, ha="center")
-    ax1.set(xlabel="training steps (all sittings)", ylabel="held-out tau", title="tau against steps and data")
+    ax1.set(xlabel="training steps (all training runs)", ylabel="held-out tau", title="tau against steps and data")
     ax1.legend(fontsize=8)
     trained = [(r["step"], r["train_acc1"]) for r in rows if r["train_acc1"] is not None]
     if trained:
         ax2.plot(*zip(*trained), marker="s", label="training batches (EMA)")
-    ax2.set(xlabel="training steps (all sittings)", ylabel="top-1 accuracy, block position 1")
+    ax2.set(xlabel="training steps (all training runs)", ylabel="top-1 accuracy, block position 1")
     ax2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -1,12 +1,12 @@
-"""A drafter sitting on a GPU, in one command that fits one device call (issue #18).
+"""A drafter's training run on a GPU, in one command that fits one device call (issue #18).
 
-On this project's 2-core CPU a sitting makes ~0.75M tokens of data in an hour (plain decoding,
+On a 2-core CPU a training run makes ~0.75M tokens of data in an hour (plain decoding,
 64 sequences a forward) and trains ~1 step a second of 4 sequences x 24 anchors: data and
 training steps are what limit the drafter. On a GPU both are cheap, and a lent one comes for
-minutes. This runs the whole sitting against a wall clock:
+minutes. This runs a whole training run against a wall clock:
 
 1. data (`--data-minutes`): prompts from `--prompts` files (after `--skip-per-file`, the ones
-   earlier sittings used) and `--self-prompts` the target writes, answered through the engine's
+   earlier runs used) and `--self-prompts` the target writes, answered through the engine's
    own batched plain decoding, `--batch` sequences a forward, features recorded as they go
    (ddtree.training.data; the judged prompt files are never planned);
 2. training (`--train-minutes`), continuing the shipped drafter (`--init-from`; `--layers` may
@@ -18,12 +18,12 @@ minutes. This runs the whole sitting against a wall clock:
    batch on the GPU; `ddtree eval-drafter` on the CPU gives the numbers that are reported);
 4. into `--out`: the new drafter in shards under 16 MiB (a device call brings back files of at
    most 16 MiB; DFlashDrafter.load reads the sharded layout), the data's tokens (prompt and
-   response ids and domains, no features: a later sitting recomputes them with one prefill per
+   response ids and domains, no features: a later run recomputes them with one prefill per
    sequence), and report.json.
 
-`--tokens FILE` (repeatable) adds earlier sittings' data, kept as token ids (export_tokens): their
-features are made again on the GPU and training draws from them and this sitting's data alike
-(the held-out sequences stay this sitting's first ones).
+`--tokens FILE` (repeatable) adds earlier runs' data, kept as token ids (export_tokens): their
+features are made again on the GPU and training draws from them and this run's data alike
+(the held-out sequences stay this run's first ones).
 
     python benchmarks/gpu_train.py --out OUT --prompts gsm8k-train.jsonl --skip-per-file 4400 \\
         [--data-minutes 3] [--train-minutes 3] [--batch 256] [--device cuda]
@@ -110,13 +110,13 @@ def judged_tau(target, drafters: dict, files, limit: int, max_tokens: int, budge
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="the drafter shards, tokens.safetensors, report.json")
-    parser.add_argument("--workdir", default="/tmp/ddtree-gpu-sitting")
+    parser.add_argument("--workdir", default="/tmp/ddtree-gpu-train")
     parser.add_argument("--model", help="target (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--prompts", action="append", default=[], help="training prompts JSONL (repeatable)")
     parser.add_argument("--tokens", action="append", default=[],
-                        help="an earlier sitting's tokens file (repeatable): its features are made again here and "
-                        "it is trained on with this sitting's data")
+                        help="an earlier run's tokens file (repeatable): its features are made again here and "
+                        "it is trained on with this run's data")
     parser.add_argument("--skip-per-file", type=int, default=0)
     parser.add_argument("--limit-per-file", type=int, default=100_000)
     parser.add_argument("--self-prompts", type=int, default=3000,
@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--mix", type=parse_mix, default={"code": 0.45, "chat": 0.45, "math": 0.1})
     parser.add_argument("--max-tokens", type=int, default=160)
     parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=33, help="seeds the self-written prompts (32 was the CPU sitting kept in "
+    parser.add_argument("--seed", type=int, default=33, help="seeds the self-written prompts (32 seeded the CPU run kept in "
                         "benchmarks/data/drafter-tokens: another seed writes other prompts)")
     parser.add_argument("--data-minutes", type=float, default=3.0)
     parser.add_argument("--train-minutes", type=float, default=3.0)
@@ -168,7 +168,7 @@ def main() -> None:
     report["data"] = export_tokens(workdir, out / "tokens.safetensors") | {"shards_left": left}
     stamp(f"data: {report['data']['sequences']} sequences, {report['data']['tokens']} tokens")
     carried = 0
-    for k, tokens_file in enumerate(args.tokens):  # earlier sittings' data, trained on beside this one's
+    for k, tokens_file in enumerate(args.tokens):  # earlier runs' data, trained on beside this one's
         carried += stage_features(target, workdir / f"carried-{k}", Path(tokens_file), layers)
         for shard in sorted((workdir / f"carried-{k}" / "data").glob("shard-*.safetensors")):
             link = workdir / "data" / f"shard-c{k}-{shard.name.split('-', 1)[1]}"
@@ -191,7 +191,7 @@ def main() -> None:
     stamp(f"trained {state.step} steps, loss {state.loss_ema:.3f}")
 
     exported = stage_export(target, workdir, cfg, layers, workdir / "export",
-                            data_note=f"a GPU sitting: {report['data']['tokens']} tokens")
+                            data_note=f"a GPU training run: {report['data']['tokens']} tokens")
     report["model_card"] = (exported / "README.md").read_text()
     save_sharded(exported, out / "drafter")
     stamp("exported")

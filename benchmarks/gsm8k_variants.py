@@ -2,8 +2,8 @@
 GSM8K's *training* split with their numbers changed, so the target answers a new problem of the
 judged domain's shape and the drafter learns how the target works through one.
 
-The drafter's sittings 1-6 took all 7,473 training problems once; the self-written math prompts
-that followed are short and bought little on gsm8k-test (RESULTS.md, 2026-12-05). A variant keeps a
+The drafter's first six training runs took all 7,473 training problems once; the self-written math prompts
+that followed are short and bought little on gsm8k-test (measured 2026-12-05). A variant keeps a
 problem's story and wording and draws each integer afresh near its old size (the same old number
 becomes the same new one everywhere in the problem, so a problem that names 48 twice names its
 new number twice); fractions, decimals, times, years, ordinals and 0/1 stay. The answers change

@@ -470,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--prompts", action="append", help="training prompts JSONL (repeatable; never evaluation files)")
     train.add_argument("--limit-per-file", type=int, default=400)
     train.add_argument("--skip-per-file", type=int, default=0,
-                       help="start each prompts file after this many prompts (those an earlier sitting used)")
+                       help="start each prompts file after this many prompts (those an earlier training run used)")
     train.add_argument("--self-prompts", type=int, default=300, help="prompts the target writes itself")
     train.add_argument("--mix", type=parse_mix, help="shares of the self-written prompts by domain, e.g. "
                        "code=0.4,chat=0.4,math=0.2 (the default; domains: code, chat, math)")

@@ -7,7 +7,7 @@ import os
 import shutil
 import tempfile
 
-# The budget policy's measured step costs (ddtree.calibrate) go to this session's own file, not
+# The budget policy's measured step costs (ddtree.calibrate) go to this test run's own file, not
 # the user's cache (Ray's workers inherit the variable).
 os.environ.setdefault("DDTREE_CALIBRATION", os.path.join(tempfile.mkdtemp(prefix="ddtree-tests-"), "calibration.json"))
 

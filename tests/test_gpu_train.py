@@ -1,6 +1,6 @@
-"""benchmarks/gpu_train.py: a drafter sitting on a lent GPU, in one device call. GPUs come
+"""benchmarks/gpu_train.py: a drafter's training run on a lent GPU, in one device call. GPUs come
 rarely and for minutes, so everything it does is run here first, on the CPU and a tiny target:
-the whole sitting end to end without Ray or the web stack (the GPU image has neither), its
+the whole run end to end without Ray or the web stack (the GPU image has neither), its
 clocks, the shards it brings back, and training under bf16 autocast as it runs there."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from .test_training import LAYERS, fixed_batch_loss
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_a_whole_sitting_runs_without_ray_and_brings_back_small_shards_that_load(tiny_chat_model, tmp_path):
+def test_a_whole_training_run_runs_without_ray_and_brings_back_small_shards_that_load(tiny_chat_model, tmp_path):
     """The script's every stage on a tiny target, with Ray and the web stack unimportable: the
     drafter comes back sharded under the size limit (here 8 KiB a shard, to force several) and
     loads; training goes on past its timed probe; the tokens file holds every data sequence, and
@@ -59,13 +59,13 @@ def test_a_whole_sitting_runs_without_ray_and_brings_back_small_shards_that_load
     assert drafter.config.num_hidden_layers == 1 and drafter.draft_vocab is not None
     tokens = load_file(str(out / "tokens.safetensors"))
     trained_on = load_sequences(tmp_path / "work")
-    sequences, carried = trained_on[:7], trained_on[7:]  # this sitting's shards sort before the carried ones
+    sequences, carried = trained_on[:7], trained_on[7:]  # this run's shards sort before the carried ones
     assert report["carried_sequences"] == 3 and [t.tolist() for t, _, _ in carried] == earlier_tokens
     assert tokens["tokens"].dtype == torch.uint16  # SmolLM2's ids fit: 2 bytes a token
     assert tokens["offsets"][-1] == len(tokens["tokens"]) == sum(len(t) for t, _, _ in sequences)
     assert tokens["response_starts"].tolist() == [s for _, _, s in sequences]
     assert len(tokens["domains"]) == 7 and report["data"]["by_domain"] == {"prompts": 5, "code": 1, "chat": 1}
-    # a later sitting makes the features again from the token ids alone: the recorded ones
+    # a later training run makes the features again from the token ids alone: the recorded ones
     again = tmp_path / "again"
     assert stage_features(target, again, out / "tokens.safetensors", LAYERS, per_shard=3) == 7
     assert len(list((again / "data").glob("shard-*"))) == 3
@@ -86,7 +86,7 @@ def random_tokens_file(path: Path) -> tuple[Path, list[list[int]]]:
 
 
 def test_the_data_stage_stops_at_its_deadline_and_a_rerun_makes_the_rest(tiny_chat_model, tmp_path):
-    """A sitting's data stage is cut by the device call's clock: it must leave finished shards
+    """A run's data stage is cut by the device call's clock: it must leave finished shards
     alone, say how many are left, and make exactly those when run again."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"question": f"Name {i} colours."}) for i in range(4)))
@@ -118,9 +118,9 @@ def test_training_under_bf16_autocast_learns(tiny_chat_model, tmp_path):
     assert fixed_batch_loss(after, sequences, cfg) < 0.8 * fixed_batch_loss(before, sequences, cfg)
 
 
-def test_the_cli_makes_a_sittings_data_from_a_tokens_file_and_stops_data_at_its_clock(tiny_chat_model, tmp_path,
+def test_the_cli_makes_a_runs_data_from_a_tokens_file_and_stops_data_at_its_clock(tiny_chat_model, tmp_path,
                                                                                        capsys):
-    """`train-drafter --stage data --from-tokens FILE` (a GPU sitting's tokens, trained on
+    """`train-drafter --stage data --from-tokens FILE` (a GPU run's tokens, trained on
     anywhere) writes shards whose sequences are the file's, and `--stage tokens` turns them back
     into the same file; `--data-minutes` reaches the data stage (a clock already run out:
     nothing made, and it says what is left)."""
@@ -148,7 +148,7 @@ def test_the_cli_makes_a_sittings_data_from_a_tokens_file_and_stops_data_at_its_
 @pytest.mark.smollm2
 def test_the_kept_training_tokens_hold_no_judged_prompt(smollm2):
     """Drafter data kept in the repository (benchmarks/data/drafter-tokens) is trained on by
-    later sittings anywhere: none of its prompts may be one of the judged sets' (whitespace
+    later training runs anywhere: none of its prompts may be one of the judged sets' (whitespace
     aside). Every sequence's prompt part is decoded and searched for every judged prompt."""
     from safetensors import safe_open
 
@@ -175,7 +175,7 @@ def test_the_kept_training_tokens_hold_no_judged_prompt(smollm2):
 
 def test_a_clocked_run_fits_its_schedule_to_the_clock_from_its_first_steps(tiny_chat_model, tmp_path):
     """`fit_after`: a run of 10,000 steps given a 3-second clock times its first 2 steps and
-    shortens its cosine to what the clock leaves room for (a GPU sitting's training ends with its
+    shortens its cosine to what the clock leaves room for (a GPU run's training ends with its
     learning rate decayed, not cut off at the peak); the checkpoint keeps the fitted length."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"question": f"Count to {i}."}) for i in range(4)))
@@ -190,10 +190,10 @@ def test_a_clocked_run_fits_its_schedule_to_the_clock_from_its_first_steps(tiny_
 
 
 def test_the_cli_fits_its_schedule_to_minutes_only_when_asked(tiny_chat_model, tmp_path, capsys):
-    """`train-drafter --stage train --minutes M --fit-schedule` (a CPU sitting on a clock) ends
+    """`train-drafter --stage train --minutes M --fit-schedule` (a CPU training run on a clock) ends
     its cosine with the clock: the checkpoint's schedule is shorter than --steps. Without the
     flag the clock cuts the schedule off where it stands (the learning rate still high), as
-    sittings before it did."""
+    training runs before it did."""
     from ddtree.cli import main
 
     prompts = tmp_path / "prompts.jsonl"

@@ -86,13 +86,13 @@ def test_no_chat_topic_is_the_subject_of_a_judged_chat_prompt():
     20 that eval-drafter judges. No prompt was a judged one word for word, but the target answers
     "Explain natural selection in simple terms." much as it answers the judged question about
     natural selection, so training on it drafts that judged answer: a leak of the judged file by
-    topic (RESULTS.md, 2026-12-05, thirty-sixth session, measured what it did). A topic is a
+    topic (measured on 2026-12-05). A topic is a
     judged prompt's subject when every content word of it is in that prompt, or two of them are
     (by six-letter stems); no template's topic may be one for any judged chat prompt."""
     script = benchmark_script("chat_prompts")
     judged = [(i, _stems(q)) for i, q in enumerate(read_prompts(BENCHMARKS / "data" / "vicuna-bench.jsonl", None))]
     assert len(judged) == 80
-    # the rule finds each subject the session-35 lists shared with a judged prompt
+    # the rule finds each subject the earlier topic lists shared with a judged prompt
     for topic, i in [("natural selection", 19), ("vaccines", 16), ("critical thinking", 6), ("JavaScript", 2),
                      ("a blog post", 76)]:
         assert _is_about(_stems(topic), judged[i][1]), topic

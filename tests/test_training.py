@@ -110,37 +110,6 @@ def test_export_loads_drafts_and_evaluates(trained, tmp_path):
     assert len(report["accuracy"]) == 3
 
 
-def test_per_prompt_tau_totals_each_drafter_as_eval_drafter_does(trained, tiny_chat_model, tmp_path, monkeypatch):
-    """benchmarks/per_prompt_tau.py: a drafter's tau over all the prompts is eval-drafter's on the
-    same prompts (the same reference continuations, the same rounds), a group's is its tokens over
-    its rounds, and a --mark outside the measured prompts is refused."""
-    import sys
-
-    from ddtree.bench import write_prompts
-
-    from .helpers import benchmark_script
-
-    target, work, *_ = trained
-    prompts = ["What is 2 plus 5?", "Hello", "What is 4 plus 7?"]
-    write_prompts(tmp_path / "p.jsonl", prompts)
-    early, late = (str(p) for p in sorted((work / "train" / "snapshots").iterdir())[:2])
-    args = ["per_prompt_tau.py", "--model", str(tiny_chat_model), "--drafter", early, "--drafter", late,
-            "--prompts", str(tmp_path / "p.jsonl"), "--limit", "3", "--max-tokens", "12", "--budget", "4"]
-    script = benchmark_script("per_prompt_tau")
-    monkeypatch.setattr(sys, "argv", args + ["--mark", "1", "--json", str(tmp_path / "tau.json")])
-    script.main()
-    report = json.loads((tmp_path / "tau.json").read_text())
-    for directory in early, late:
-        offline = eval_drafter(target, DFlashDrafter.load(directory, target.model), prompts, 12, [4])
-        assert report["tau"]["all"][directory] == pytest.approx(offline["tau"]["4"])
-        rounds, emitted = report["rounds"][directory], report["emitted"]
-        assert report["tau"]["marked"][directory] == pytest.approx(emitted[1] / rounds[1])
-        assert report["tau"]["the rest"][directory] == pytest.approx((emitted[0] + emitted[2]) / (rounds[0] + rounds[2]))
-    monkeypatch.setattr(sys, "argv", args + ["--mark", "3"])
-    with pytest.raises(SystemExit):
-        script.main()
-
-
 def test_export_can_cut_the_draft_vocabulary_to_the_most_used_ids(trained, tmp_path):
     """`--vocab-keep N`: the head covers only the N draft-vocabulary ids the training responses
     use most (counted here independently, held-out sequences excluded; ties at the cut go to
@@ -175,8 +144,8 @@ def test_export_can_cut_the_draft_vocabulary_to_the_most_used_ids(trained, tmp_p
     assert [r.tokens for r in drafted] == [r.tokens for r in plain]
 
 
-def test_a_later_sitting_continues_a_saved_drafter(trained, tmp_path):
-    """The machine that trained a drafter may not keep its data: a later sitting generates new
+def test_a_later_training_run_continues_a_saved_drafter(trained, tmp_path):
+    """The machine that trained a drafter may not keep its data: a later training run generates new
     data and continues the saved drafter (--init-from) instead of starting again from the
     target's last layers. Step 0 of that run is the saved drafter itself (its bf16 weights),
     its draft vocabulary is widened by the new run's tokens and floor, never narrowed, and the
@@ -287,8 +256,8 @@ def test_training_with_soft_labels_computes_the_teacher_once_and_learns(trained,
 
 def test_training_reaches_every_parameter_of_the_drafter(trained):
     """Bug: the MLP's gate and up projections run as one fused GEMM (FusedLinears) whose matrix
-    is a plain tensor, so under autograd no gradient reached them: three sittings of the shipped
-    drafter trained with every gate/up projection frozen at its start (the third layer's at its
+    is a plain tensor, so under autograd no gradient reached them: three training runs of the
+    shipped drafter trained with every gate/up projection frozen at its start (the third layer's at its
     random initialization). Every trainable parameter must get a gradient from the block loss."""
     target, work, cfg, *_ = trained
     drafter = init_drafter(target, cfg, LAYERS)
@@ -301,8 +270,8 @@ def test_training_reaches_every_parameter_of_the_drafter(trained):
     assert not missing, missing
 
 
-def test_a_later_sitting_may_add_layers_on_top(trained, tmp_path):
-    """A drafter may grow between sittings (`--layers 2 --init-from` a 1-layer drafter): the
+def test_a_later_training_run_may_add_layers_on_top(trained, tmp_path):
+    """A drafter may grow between training runs (`--layers 2 --init-from` a 1-layer drafter): the
     added layer starts as an identity (its output projections zero), so step 0 drafts exactly
     as the saved drafter; training then moves the new layer. A run may not drop layers."""
     import shutil
@@ -391,8 +360,8 @@ def test_a_grown_data_plan_keeps_its_shards_and_appends_the_new_prompts(tmp_path
     assert json.loads(plan.read_text())["mix"] == {"prompts": 6}
 
 
-def test_a_later_sitting_takes_the_prompts_an_earlier_one_did_not(tmp_path):
-    """--skip-per-file: a sitting whose machine lost the earlier data plans the file's next
+def test_a_later_training_run_takes_the_prompts_an_earlier_one_did_not(tmp_path):
+    """--skip-per-file: a training run whose machine lost the earlier data plans the file's next
     prompts, not the ones already trained on."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"question": f"q{i}"}) for i in range(7)))

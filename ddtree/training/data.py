@@ -48,7 +48,7 @@ OPENERS = {
     "chat": (
         "Explain", "How do I", "Write a short story", "Give me tips", "Compare", "Why does", "Summarize",
         "Translate", "Describe", "Write an email", "What are the pros and cons of", "Write a poem",
-        # added for the third sitting: open chat is more than questions -- role play, what-ifs,
+        # open chat is more than questions -- role play, what-ifs,
         # estimates, advice, longer writing (the kinds of request a chat assistant gets)
         "Imagine you are", "What would happen if", "How many", "Write a blog post about", "Help me plan",
         "What is the difference between", "Pretend to be", "Write a persuasive", "Can you recommend",
@@ -171,7 +171,7 @@ def plan_prompts(target: LoadedTarget | None, plan: Path, prompt_files: list[str
     makes the same shards. A rerun that asks for more (a larger --limit-per-file or
     --self-prompts) appends shards for the new prompts only; the finished shards and their
     prompts stay as they are. Each file gives its prompts `skip_per_file` to `skip_per_file +
-    limit_per_file` (a later sitting takes prompts an earlier one did not). A prompt of a
+    limit_per_file` (a later training run takes prompts an earlier one did not). A prompt of a
     `held_out` file is never planned."""
     mix = mix or DEFAULT_MIX
     saved = json.loads(plan.read_text()) if plan.is_file() else {}
@@ -260,7 +260,7 @@ def export_tokens(workdir: Path, path: Path) -> dict:
     """The data stage's sequences as token ids alone -- tokens (uint16 where every id fits, else
     int32), offsets [S+1], response_starts [S], domains [S] (indices into the `domains` metadata,
     from data/prompts.json; "unknown" for data made from a tokens file) -- a few bytes a token where
-    the features are ~3.4 KB: what a later sitting anywhere needs to make them again
+    the features are ~3.4 KB: what a later training run anywhere needs to make them again
     (`stage_features`). Returns counts for a report."""
     plans = workdir / "data" / "prompts.json"
     plan = json.loads(plans.read_text()) if plans.is_file() else None

@@ -116,7 +116,7 @@ def init_drafter(target: LoadedTarget, cfg: TrainConfig, layer_ids, saved: dict 
 
 def continued_state(target: LoadedTarget, cfg: TrainConfig, layer_ids, directory: Path) -> dict:
     """The fp32 state dict of a saved drafter (DFlashDrafter.load) to continue training from, in
-    a later sitting on new data. Its shape must be the one `cfg` and `layer_ids` describe, except
+    a later training run on new data. Its shape must be the one `cfg` and `layer_ids` describe, except
     that `cfg` may have more layers: init_drafter adds them on top, as identities."""
     drafter = DFlashDrafter.load(directory, target.model)
     c = drafter.config
@@ -212,7 +212,7 @@ def stage_train(target: LoadedTarget, workdir: Path, cfg: TrainConfig, layer_ids
     the clock does; the schedule keeps its step and peak (as a resumed run's does).
 
     A new run starts from the target's last layers, or, with `init_from`, from that saved drafter
-    (an earlier sitting's, trained on other data; the machine need not keep that data): its
+    (an earlier run's, trained on other data; the machine need not keep that data): its
     weights, and a draft vocabulary that adds this data's tokens to its own. A run resumed from
     its checkpoint ignores `init_from`."""
     sequences = load_sequences(workdir)
