@@ -200,6 +200,47 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _audit(args: argparse.Namespace) -> int:
+    """`ddtree audit`: every output of a grid of settings against plain decoding alone; exit 1 on
+    a real divergence (ddtree.audit says how a near-tie is told from one)."""
+    from tqdm import tqdm
+
+    from . import audit
+    from .bench import read_prompts
+    from .config import parse_budget
+    from .engine import Engine
+
+    try:
+        budgets = [parse_budget(b.strip()) for b in args.budgets.split(",")]
+        topks = [None if k.strip() == "none" else int(k) for k in args.topk.split(",")]
+        lookups = [{"on": True, "off": False}[v.strip()] for v in args.lookup.split(",")]
+        seeded = [{"greedy": False, "seeded": True}[v.strip()] for v in args.sampling.split(",")]
+        streams = [int(n) for n in args.streams.split(",")]
+        if any(k is not None and k < 1 for k in topks) or any(n < 1 for n in streams):
+            raise ValueError("topk and streams must be at least 1")
+        # a step holds the largest batch, each tree up to budget 64's 65 rows (what start-up measures)
+        config = ModelPairConfig(**field_values(args, BENCH_FIELDS), budget="auto" if "auto" in budgets else 0,
+                                 max_num_seqs=max(streams), max_step_tokens=65 * max(streams), lookup=False)
+    except (ValueError, KeyError, ValidationError) as err:
+        print(f"ddtree audit: {err}", file=sys.stderr)
+        return 2
+    settings = audit.grid(budgets, topks, lookups, seeded, streams)
+    engine = Engine.from_config(config)
+    texts = read_prompts(args.prompts, args.limit)
+    prompts = [engine.render_chat([{"role": "user", "content": t}]) for t in texts]
+    runs = len(prompts) * (len(set(seeded)) + len(settings))
+    with tqdm(total=runs, desc="completions", unit="run") as bar:
+        report = audit.run_audit(engine, prompts, settings, args.max_tokens, progress=lambda: bar.update(1))
+    print(f"{len(prompts)} prompts from {args.prompts}, {args.max_tokens} new tokens, {report.dtype}: "
+          f"{report.compared} completions against plain decoding alone")
+    print(audit.markdown(report))
+    if args.json:
+        audit.write_json(report, args.json)
+    real = len(report.real)
+    print(f"{real} real divergence{'s' if real != 1 else ''}, {len(report.differences) - real} near-ties")
+    return 1 if real else 0
+
+
 def _load_bench(args: argparse.Namespace, config, budgets: list) -> int:
     """`bench --concurrency`: every budget at every number of concurrent streams, one table."""
     from tqdm import tqdm
@@ -460,6 +501,20 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--served-model", default="SmolLM2-135M-Instruct", help="with --url: the model name to ask for")
     bench.add_argument("--api-key", help="with --url: the server's API key")
     bench.set_defaults(func=_bench)
+
+    aud = sub.add_parser("audit", help="every output of a grid of settings against the target's plain decoding; "
+                         "exit 1 on a real divergence (near-ties listed with their gaps)")
+    aud.add_argument("--prompts", required=True, help="JSONL with question, turns[0] or prompt")
+    aud.add_argument("--limit", type=int, default=20)
+    aud.add_argument("--max-tokens", type=int, default=64)
+    aud.add_argument("--budgets", default="0,chain,16,64,auto", help="comma-separated budgets")
+    aud.add_argument("--topk", default="none", help="comma-separated topk values ('none': as many as the budget)")
+    aud.add_argument("--lookup", default="off", help="comma-separated: on, off")
+    aud.add_argument("--sampling", default="greedy,seeded", help="comma-separated: greedy, seeded (T 0.8, a seed per prompt)")
+    aud.add_argument("--streams", default="1,8", help="comma-separated: requests batched together")
+    add_field_flags(aud.add_argument_group("ModelPairConfig fields"), ModelPairConfig, BENCH_FIELDS)
+    aud.add_argument("--json", help="write the summary and every difference here")
+    aud.set_defaults(func=_audit)
 
     train = sub.add_parser("train-drafter", help="self-distil a DFlash drafter (resumable stages)")
     train.add_argument("--workdir", required=True, help="data, checkpoints and export live here")

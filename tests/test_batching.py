@@ -388,7 +388,7 @@ def test_a_smollm2_batch_gives_plain_decoding_up_to_near_ties(smollm2):
 
     from ddtree.engine import shipped_drafter
 
-    from .ties import divergence
+    from ddtree.audit import divergence
 
     data = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "vicuna-bench.jsonl"
     texts = [json.loads(line)["turns"][0] for line in data.read_text().splitlines()[:6]]

@@ -3,7 +3,7 @@ TargetShard actors summing over gloo, in one placement group.
 
 TP=2 must give TP=1's tokens: exactly on a tiny float64 model (its vocabulary of 97 splits
 unevenly, 49 + 48 ids), and on SmolLM2-135M fp32 (3 key-value heads: 2 + 1) up to the tie rule
-(tests/ties.py), greedy and seeded, at budgets 0, chain and 16. A batch through the
+(ddtree.audit's tie rule), greedy and seeded, at budgets 0, chain and 16. A batch through the
 SchedulerActor's Scheduler at TP=2 must give the in-process Scheduler's tokens for the same batch.
 """
 
@@ -27,7 +27,7 @@ from ddtree.workers.tensor_parallel import ShardSpec
 
 from .helpers import hf_greedy
 from .test_batching import mixed_requests, run_schedule
-from .ties import divergence
+from ddtree.audit import divergence
 
 pytestmark = pytest.mark.slow  # a Ray cluster and Serve apps: minutes on 2 cores (make test runs it)
 

@@ -25,7 +25,7 @@ from ddtree.workers.requests import Request
 from ddtree.workers.solo import SoloLoop
 
 from .drafters import OracleDrafter
-from .ties import CDF_TIE, LOGIT_TIE, tie_gap
+from ddtree.audit import tie_gap, tie_threshold
 
 DATA = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "vicuna-bench.jsonl"
 MAX_TOKENS = 48
@@ -74,7 +74,7 @@ def test_speculation_equals_plain_decoding_on_smollm2(smollm2, vicuna_requests, 
             assert got.tokens == ref.tokens, f"prompt {i}: lengths differ without a divergence"
             continue
         gap = tie_gap(model, req, ref.seed, ref.tokens[:diverged])
-        limit = LOGIT_TIE if ref.seed is None else CDF_TIE
+        limit = tie_threshold(model.dtype, seeded=ref.seed is not None)
         verdict = "near-tie" if gap < limit else "DIVERGENCE"
         print(f"{mode} budget {budget} prompt {i} token {diverged}: plain {ref.tokens[diverged]} vs "
               f"speculative {got.tokens[diverged]}, gap {gap:.2e} -> {verdict}")

@@ -1,0 +1,216 @@
+"""`ddtree audit`: does this deployment's output equal the target's own decoding, and where not,
+was it a numerical near-tie or a real divergence?
+
+For every prompt and every setting of a grid (budget, topk, lookup branches, greedy or seeded
+sampling, streams batched together), the engine's output is compared with the same target's plain
+decoding of the same request alone (budget 0, one stream). A difference is reported at its first
+position with both tokens and how close the target was to choosing otherwise there:
+
+- greedy: the reference's top-2 logit gap after the common prefix;
+- seeded (T > 0): how far the seeded draw for that position lies from the nearest edge between
+  two tokens in the processed distribution's CDF.
+
+Below the dtype's threshold (`TIE_THRESHOLDS`) it is a near-tie -- a tree-verify pass and a
+one-token step sum in different orders, so logits differ in the last bits, and where that flips a
+token it is not a bug -- else it is a real divergence, and the audit fails.
+
+    ddtree audit --prompts benchmarks/data/gsm8k-test.jsonl --limit 20 \\
+        --budgets 0,chain,16,64,auto --sampling greedy,seeded --streams 1,8 --json audit.json
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from .config import SamplingParams
+from .kernels.sampling import processed_probs, uniform
+from .workers.requests import Budget, Request
+
+# A difference whose gap is below the threshold of the target's dtype is a near-tie:
+# (greedy: top-2 logit gap, seeded: distance of the draw to the nearest CDF edge)
+TIE_THRESHOLDS = {
+    torch.float64: (1e-9, 1e-12),
+    torch.float32: (1e-3, 1e-6),
+    torch.bfloat16: (0.125, 1e-2),
+    torch.float16: (0.0625, 1e-3),
+}
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95)  # the audit's T > 0 sampling; each prompt its own seed
+SEED_BASE = 1000  # prompt i's seed: SEED_BASE + i
+
+
+def next_token_logits(model, ids: list[int]) -> torch.Tensor:
+    """The target's logits for the token after `ids`, from one plain forward over them."""
+    n = len(ids)
+    out = model(torch.tensor([ids], device=model.device), torch.arange(n, device=model.device)[None],
+                model.prefill_mask(n), model.new_cache(1, n), logits_to_keep=1)
+    return out.logits[0, -1].float().cpu() if out.logits.dtype == torch.bfloat16 else out.logits[0, -1].cpu()
+
+
+def tie_gap(model, request: Request, seed: int | None, context: list[int]) -> float:
+    """How close the target was to choosing differently after prompt + `context`: the top-2 logit
+    gap (greedy), or the distance of the seeded draw to the nearest CDF edge (sampled)."""
+    logits = next_token_logits(model, request.prompt + context)
+    if seed is None:
+        top = logits.topk(2).values
+        return float(top[0] - top[1])
+    cdf = processed_probs(logits[None], request.sampling)[0].cumsum(-1)
+    u = uniform(seed, len(request.prompt) + len(context)) * float(cdf[-1])
+    return float((cdf - u).abs().min())
+
+
+def tie_threshold(dtype: torch.dtype, seeded: bool) -> float:
+    greedy, sampled = TIE_THRESHOLDS.get(dtype, TIE_THRESHOLDS[torch.float32])
+    return sampled if seeded else greedy
+
+
+def first_difference(reference: list[int], got: list[int]) -> int | None:
+    """The first position where two completions differ (one ending before the other counts), or None."""
+    at = next((j for j, (a, b) in enumerate(zip(reference, got)) if a != b), None)
+    if at is None and len(reference) != len(got):
+        at = min(len(reference), len(got))
+    return at
+
+
+def divergence(model, request: Request, seed: int | None, reference: list[int], got: list[int]):
+    """None if the token lists are equal; else (index, gap, is_near_tie) of the first difference."""
+    at = first_difference(reference, got)
+    if at is None:
+        return None
+    gap = tie_gap(model, request, seed, reference[:at])
+    return at, gap, gap < tie_threshold(model.dtype, seed is not None)
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One cell of the audit's grid."""
+
+    budget: Budget
+    topk: int | None = None
+    lookup: bool = False
+    seeded: bool = False  # T > 0 with a seed per prompt (SEEDED), else greedy
+    streams: int = 1  # requests batched together in one scheduler
+
+    @property
+    def label(self) -> str:
+        parts = [f"budget {self.budget}"]
+        if self.topk is not None:
+            parts.append(f"topk {self.topk}")
+        if self.lookup:
+            parts.append("lookup")
+        parts += ["seeded" if self.seeded else "greedy", f"{self.streams} stream{'s' if self.streams > 1 else ''}"]
+        return ", ".join(parts)
+
+
+@dataclass
+class Difference:
+    prompt: int  # index in the prompt file
+    setting: str
+    position: int  # first differing completion position
+    reference_token: int | None  # plain decoding's token there (None: it had ended)
+    token: int | None  # the audited run's token there (None: it had ended)
+    gap: float  # top-2 logit gap (greedy) or the draw's distance to a CDF edge (seeded)
+    threshold: float
+    verdict: str  # "near-tie" or "real"
+
+
+@dataclass
+class AuditReport:
+    settings: list[str]
+    prompts: int
+    max_tokens: int
+    dtype: str
+    compared: int = 0  # completions compared
+    identical: int = 0
+    differences: list[Difference] = field(default_factory=list)
+
+    @property
+    def real(self) -> list[Difference]:
+        return [d for d in self.differences if d.verdict == "real"]
+
+    def summary(self) -> dict:
+        return {"prompts": self.prompts, "max_tokens": self.max_tokens, "dtype": self.dtype,
+                "settings": self.settings, "compared": self.compared, "identical": self.identical,
+                "near_ties": len(self.differences) - len(self.real), "real": len(self.real),
+                "differences": [asdict(d) for d in self.differences]}
+
+
+def grid(budgets: Iterable[Budget], topks: Iterable[int | None], lookups: Iterable[bool], seeded: Iterable[bool],
+         streams: Iterable[int]) -> list[Setting]:
+    """Every combination; lookup and topk only where a budget grows trees (not 0, not the chain)."""
+    settings = []
+    for b, k, lk, s, n in itertools.product(budgets, topks, lookups, seeded, streams):
+        trees = b not in (0, "chain")
+        setting = Setting(b, k if trees else None, lk and trees, s, n)
+        if setting not in settings:
+            settings.append(setting)
+    return settings
+
+
+def sampling_for(seeded: bool, prompt_index: int) -> SamplingParams:
+    return SEEDED.model_copy(update={"seed": SEED_BASE + prompt_index}) if seeded else SamplingParams()
+
+
+def run_audit(engine, prompts: list[list[int]], settings: list[Setting], max_tokens: int,
+              progress: Callable[[], None] = lambda: None) -> AuditReport:
+    """Runs every setting over every prompt on `engine` (in process) and compares each output with
+    the same request's plain decoding alone. `progress` is called once per completion run."""
+    model = engine.target.model
+    report = AuditReport([s.label for s in settings], len(prompts), max_tokens, str(model.dtype).removeprefix("torch."))
+
+    def request(i: int, seeded: bool, budget: Budget = 0, topk: int | None = None, lookup: bool = False) -> Request:
+        return engine.request(prompts[i], max_tokens, sampling_for(seeded, i), budget=budget, lookup=lookup, topk=topk)
+
+    references: dict[tuple[int, bool], list[int]] = {}
+    for seeded in sorted({s.seeded for s in settings}):
+        for i in range(len(prompts)):  # plain decoding, one request alone
+            references[i, seeded] = engine.generate([request(i, seeded)])[0].tokens
+            progress()
+    for setting in settings:
+        for start in range(0, len(prompts), setting.streams):
+            batch = list(range(start, min(start + setting.streams, len(prompts))))
+            results = engine.generate([request(i, setting.seeded, setting.budget, setting.topk, setting.lookup)
+                                       for i in batch])
+            for i, result in zip(batch, results):
+                progress()
+                report.compared += 1
+                reference = references[i, setting.seeded]
+                at = first_difference(reference, result.tokens)
+                if at is None:
+                    report.identical += 1
+                    continue
+                req = request(i, setting.seeded)
+                seed = req.sampling.seed if setting.seeded else None
+                gap = tie_gap(model, req, seed, reference[:at])
+                threshold = tie_threshold(model.dtype, setting.seeded)
+                report.differences.append(Difference(
+                    i, setting.label, at, reference[at] if at < len(reference) else None,
+                    result.tokens[at] if at < len(result.tokens) else None, gap, threshold,
+                    "near-tie" if gap < threshold else "real"))
+    return report
+
+
+def markdown(report: AuditReport) -> str:
+    """One row per setting (compared, identical, near-ties, real), then every difference."""
+    lines = ["| setting | compared | identical | near-ties | real |", "| --- | --- | --- | --- | --- |"]
+    per_setting = report.compared // max(len(report.settings), 1)
+    for label in report.settings:
+        diffs = [d for d in report.differences if d.setting == label]
+        real = sum(d.verdict == "real" for d in diffs)
+        lines.append(f"| {label} | {per_setting} | {per_setting - len(diffs)} | {len(diffs) - real} | {real} |")
+    if report.differences:
+        lines += ["", "| prompt | setting | position | plain | audited | gap | threshold | verdict |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for d in report.differences:
+            lines.append(f"| {d.prompt} | {d.setting} | {d.position} | {d.reference_token} | {d.token} | "
+                         f"{d.gap:.3g} | {d.threshold:.0e} | {d.verdict} |")
+    return "\n".join(lines)
+
+
+def write_json(report: AuditReport, path) -> None:
+    with open(path, "w") as f:
+        json.dump(report.summary(), f, indent=2)

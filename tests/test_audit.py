@@ -1,0 +1,79 @@
+"""`ddtree audit`: every output of a grid of settings against plain decoding alone, on a tiny
+random pair in process; and an audit that must fail when the seeds' bug is put back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ddtree import audit
+from ddtree.cli import main
+from ddtree.kernels.tree_batch import TreeMeta, pack_bits
+
+PROMPTS = ["Count to five.", "What is two plus two?", "Name a colour.", "Say hello in French."]
+
+
+@pytest.fixture
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return path
+
+
+def test_the_grid_holds_trees_options_only_where_a_budget_grows_trees():
+    settings = audit.grid([0, "chain", 16], [1, None], [True, False], [False], [1])
+    assert [s.label for s in settings] == [
+        "budget 0, greedy, 1 stream", "budget chain, greedy, 1 stream",
+        "budget 16, topk 1, lookup, greedy, 1 stream", "budget 16, topk 1, greedy, 1 stream",
+        "budget 16, lookup, greedy, 1 stream", "budget 16, greedy, 1 stream"]
+
+
+def test_first_difference_counts_an_early_end():
+    assert audit.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert audit.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert audit.first_difference([1, 2, 3], [1, 2]) == 2
+
+
+@pytest.mark.slow  # ~170 completions: a minute on 2 cores
+def test_an_audit_of_a_tiny_pair_finds_every_output_the_targets(tiny_chat_model, prompt_file, tmp_path):
+    """Budgets 0, chain, 8 and auto (topk none and 1, lookup on), greedy and seeded, 1 and 3
+    streams: every completion compared, none a real divergence, exit 0, the JSON summary says so."""
+    out = tmp_path / "audit.json"
+    code = main(["audit", "--prompts", str(prompt_file), "--limit", "3", "--max-tokens", "8", "--budgets",
+                 "0,chain,8,auto", "--topk", "none,1", "--lookup", "on", "--sampling", "greedy,seeded",
+                 "--streams", "1,3", "--model", str(tiny_chat_model), "--json", str(out)])
+    summary = json.loads(out.read_text())
+    assert code == 0, summary["differences"]
+    settings = audit.grid([0, "chain", 8, "auto"], [None, 1], [True], [False, True], [1, 3])
+    assert summary["settings"] == [s.label for s in settings]
+    assert summary["compared"] == 3 * len(settings)
+    assert summary["real"] == 0 and summary["identical"] + summary["near_ties"] == summary["compared"]
+
+
+def test_padding_rows_visible_to_real_rows_make_the_audit_fail(tiny_chat_model, prompt_file, tmp_path, monkeypatch,
+                                                              capsys):
+    """The seeds' bug put back: every row of a verify block sees every other row of its block,
+    padding and siblings included, as when a padded tree's mask was not reset. The audit must say
+    so: exit 1, the difference listed as real with a gap far above the threshold."""
+    from ddtree.workers import scheduler
+
+    real_metadata = scheduler.tree_metadata
+
+    def leaky_metadata(batch, start):
+        meta = real_metadata(batch, start)
+        b, q_len = batch.parents.shape
+        everything = torch.ones(b, q_len, q_len, dtype=torch.bool)
+        return TreeMeta(meta.depths, meta.positions, pack_bits(everything).to(meta.bits.device))
+
+    monkeypatch.setattr(scheduler, "tree_metadata", leaky_metadata)
+    out = tmp_path / "audit.json"
+    code = main(["audit", "--prompts", str(prompt_file), "--limit", "2", "--max-tokens", "8", "--budgets", "16",
+                 "--sampling", "greedy", "--streams", "2", "--model", str(tiny_chat_model), "--json", str(out)])
+    summary = json.loads(out.read_text())
+    assert code == 1
+    assert summary["real"] >= 1
+    real = [d for d in summary["differences"] if d["verdict"] == "real"]
+    assert all(d["gap"] > d["threshold"] and d["setting"] == "budget 16, greedy, 2 streams" for d in real)
+    assert "real divergence" in capsys.readouterr().out
