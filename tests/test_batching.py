@@ -381,8 +381,9 @@ def test_each_rows_own_depths_give_the_candidates_of_the_whole_draft(tiny_checkp
 def test_a_smollm2_batch_gives_plain_decoding_up_to_near_ties(smollm2):
     """SmolLM2 fp32 with the shipped drafter: 6 vicuna prompts, greedy and seeded, budgets
     0 / chain / 8 / 16 / 64, all in one batch (prefill chunks of 32 tokens) -> each request's
-    tokens equal plain decoding alone, except at numerical near-ties (fp32 GEMMs here are not
-    batch-invariant: a row moves by ~1e-6 with the number of rows), printed with their gap."""
+    tokens equal plain decoding alone, except at numerical near-ties, printed with their gap
+    (where ddtree's CPU kernels are built a row is bitwise its solo row; through oneDNN, their
+    fallback, it moves by ~1e-6 with the number of rows: docs/cpu-kernels.md)."""
     import json
     from pathlib import Path
 

@@ -217,7 +217,7 @@ def test_a_row_factor_learnt_on_one_sequence_does_not_price_a_batchs_nodes():
     what the one-sequence start-up curve adds (0.47: the first rows past one ride the GEMM's
     register tiles), and the same factor then priced the nodes of a 4-sequence batch, where they
     cost more than the curve says: auto granted 10-22-node trees at 4 streams and lost 13% to
-    budget 4 (run G). Each power-of-two band of batch sizes learns its own."""
+    budget 4 (measured 2026-12-02). Each power-of-two band of batch sizes learns its own."""
     policy = BudgetPolicy(packed=True)
     policy.calibrate(CostCurve({1: 0.040, 5: 0.050, 9: 0.070, 17: 0.100}))
     for _ in range(60):
@@ -1237,7 +1237,7 @@ def test_the_scheduler_says_a_batch_drains_once_it_shrinks_with_nothing_waiting(
 
 def test_a_band_whose_trees_realize_less_than_predicted_weighs_them_down():
     """Bug: the policy learns each piece of a step's cost and its trees' gains apart, and trusts
-    their sum. In run AD, after one, four and sixteen streams, auto verified trees at 10% of the
+    their sum. On 2026-12-04, after one, four and sixteen streams, auto verified trees at 10% of the
     rounds at 64 streams and ran 0.91x plain; started afresh, 1% and 0.99x. Now each band keeps
     what its steps with trees realized of the rate predicted for them, over what its plain steps
     realized of theirs, and weighs trees by it: here a band's trees accept far fewer tokens than

@@ -1,7 +1,7 @@
 """Reliability and security of the real Serve app on 127.0.0.1, probed as an attacker and a crowd
 would: raw httpx and the official `openai` client, no mocks.
 
-Beside the session's `server` app, this module deploys two more from the same tiny chat model:
+Beside the test run's `server` app, this module deploys two more from the same tiny chat model:
 `guarded` (API keys, small limits, one sequence at a time: the bad-input battery, schemathesis,
 401 and 429) and `fragile` (its engine replica is killed mid-stream, then it is drained).
 """

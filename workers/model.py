@@ -421,8 +421,8 @@ class FusedLinears:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if torch.is_grad_enabled() and any(p.requires_grad for layer in self.layers for p in layer.parameters()):
             # training: each layer through its own parameters, or no gradient would reach them
-            # (the fused matrix is a plain tensor; a drafter once trained three sittings with its
-            # MLPs' gate and up projections frozen at their start)
+            # (the fused matrix is a plain tensor; the shipped drafter was once trained for three runs
+            # with its MLPs' gate and up projections frozen at their start)
             return tuple(layer(x) for layer in self.layers)
         if not self._fused():
             self._fuse()

@@ -444,7 +444,7 @@ class SequenceEstimate:
         """The nodes its next drafted tree is grown to (and the drafter's top-k per depth):
         WIDTH_FACTOR times its last chosen tree's, at least MIN_DRAFT_WIDTH, at most `most`
         (FIRST_DRAFT_WIDTH until it drafted once). The policy grants a best-first prefix of the
-        tree, and at 1-64 streams chose 0-18 nodes of the 64 drafted (run AR): the rest was
+        tree, and at 1-64 streams chose 0-18 nodes of the 64 drafted (measured 2026-12-06): the rest was
         grown, priced and kept for hindsight each step (~0.4 ms a step of 4 sequences growing
         them alone). The factor lets a tree double each step as acceptance rises."""
         if self.nodes is None:
@@ -817,7 +817,7 @@ class BudgetPolicy:
         decoding on probes (5 a pass, ~100 ms each against ~57 ms plain steps) where one
         sequence found drafting adds a few per cent to a step of 16: auto ran 0.95-0.96x plain.
         One stream, where it adds ~40%, keeps EXPLORE_SHARE (a share that fell with the yield
-        alone cost it more than it saved: run AG)."""
+        alone cost it more than it saved, measured 2026-12-04)."""
         yield_ = self.probe_yield(batch)
         if yield_ >= MIN_YIELD:
             return True
@@ -849,11 +849,11 @@ class BudgetPolicy:
         1 as if RATE_PRIOR steps had been predicted exactly), at most 1: `choose` and `plan`
         weigh an option with trees at this much of its predicted rate. The costs and gains are
         learnt piece by piece, and what they leave out shows only in the step as a whole: in
-        run AD, after one, four and sixteen streams, auto verified trees at 10% of the rounds at
+        a run on 2026-12-04, after one, four and sixteen streams, auto verified trees at 10% of the rounds at
         64 streams, accepted within 1% of the tokens it predicted, and ran 0.91x plain, where
         the same policy started afresh drafted at 1% and ran 0.99x (which piece was off was not
         found). Plain steps' own ratio (the host's swings, T(B) lagging behind them) is divided
-        out. In run AE it stayed at 0.98-1.00 at 16 and 64 streams, 0.91-1.00 at one."""
+        out. Measured again on 2026-12-04 it stayed at 0.98-1.00 at 16 and 64 streams, 0.91-1.00 at one."""
         band = _band(batch)
         plain = _shrunk(self._rates.get((band, False), (0.0, 0.0)), 1.0, RATE_PRIOR)
         trees = _shrunk(self._rates.get((band, True), (0.0, 0.0)), plain, RATE_PRIOR)

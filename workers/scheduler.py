@@ -20,7 +20,7 @@ Each `step()`:
   7. emits each sequence's new tokens; finished sequences give back their pages.
 
 A request's tokens do not depend on the batch it ran in: the tree only decides how many tokens
-a round commits, never which (design.md, "Lossless"); prefill chunks are per sequence.
+a round commits, never which (docs/design.md, "Lossless"); prefill chunks are per sequence.
 
 The models sit behind workers.batch_backends: a BatchTarget (the model and its KV storage in
 this process, or tensor-parallel shard actors) and a BatchDrafter (in this process, or an
