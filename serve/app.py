@@ -25,15 +25,10 @@ def build_app(args: dict | ServeConfig | None = None) -> Application:
     """Serve's application builder. `args` are ServeConfig fields (from a config YAML's `args`,
     `serve run ... key=value`, or Python)."""
     config = args if isinstance(args, ServeConfig) else ServeConfig.model_validate(args or {})
-    scaling = config.autoscaling
     engine_options = {
         "name": "DDTreeEngine",
         "max_ongoing_requests": config.engine_capacity,
-        "autoscaling_config": {
-            "min_replicas": scaling.min_replicas,
-            "max_replicas": scaling.max_replicas,
-            "target_ongoing_requests": scaling.target_ongoing_requests,
-        },
+        "autoscaling_config": config.autoscaling.model_dump(exclude_unset=True),
         "ray_actor_options": {
             "num_cpus": config.engine_num_cpus,
             "num_gpus": config.engine_num_gpus if config.tp == 1 else 0,

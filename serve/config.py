@@ -9,26 +9,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from ray.serve.config import AutoscalingConfig
 
 from ..config import ModelPairConfig, parse_budget
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-class AutoscalingSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    min_replicas: int = Field(1, ge=0, description="Fewest engine replicas (model instances).")
-    max_replicas: int = Field(1, ge=1, description="Most engine replicas.")
-    target_ongoing_requests: float = Field(
-        2.0, gt=0, description="Ongoing requests per replica that autoscaling aims for."
-    )
-
-    @model_validator(mode="after")
-    def _order(self):
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
-        return self
 
 
 class ServeConfig(ModelPairConfig):
@@ -44,7 +29,12 @@ class ServeConfig(ModelPairConfig):
         None, ge=1, description="Requests Serve hands one engine replica at once; None = what its "
         "scheduler holds (max_num_seqs running + max_waiting waiting)."
     )
-    autoscaling: AutoscalingSettings = Field(default_factory=AutoscalingSettings)
+    autoscaling: AutoscalingConfig = Field(
+        default_factory=AutoscalingConfig, description="The engine deployment's autoscaling: Ray Serve's own "
+        "AutoscalingConfig (min_replicas, max_replicas, target_ongoing_requests, upscale_delay_s, "
+        "downscale_delay_s, look_back_period_s, metrics_interval_s, smoothing factors, ...), with Ray's "
+        "defaults (1 replica); unknown fields are an error."
+    )
     engine_num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each engine replica.")
     engine_num_gpus: float = Field(
         0.0, ge=0, description="GPUs Ray reserves for each engine replica at tp: 1 (at tp > 1 the "
@@ -79,6 +69,16 @@ class ServeConfig(ModelPairConfig):
         "`Authorization: Bearer <key>` with one of them (401 otherwise). One key or a list; "
         "`DDTREE_API_KEY` (comma-separated) in the ingress's environment adds keys."
     )
+
+    @field_validator("autoscaling", mode="before")
+    @classmethod
+    def _ray_autoscaling_fields(cls, v):
+        # Ray's model ignores a field it does not know: a misspelt delay would be dropped unseen
+        unknown = sorted(set(v) - set(AutoscalingConfig.model_fields)) if isinstance(v, dict) else []
+        if unknown:
+            raise ValueError(f"autoscaling has no field {', '.join(unknown)}: it takes the fields of Ray Serve's "
+                             f"AutoscalingConfig ({', '.join(AutoscalingConfig.model_fields)})")
+        return v
 
     @field_validator("api_key", mode="before")
     @classmethod

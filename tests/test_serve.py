@@ -273,3 +273,5 @@ def test_config_errors_name_the_field():
         ServeConfig(tp=0)
     with pytest.raises(ValueError, match="min_replicas"):
         ServeConfig(autoscaling={"min_replicas": 3, "max_replicas": 2})
+    with pytest.raises(ValueError, match="upscale_dealy_s"):  # Ray's own model would drop it unseen
+        ServeConfig(autoscaling={"upscale_dealy_s": 5})
