@@ -190,8 +190,7 @@ def _nucleus_rows(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     whose nucleus those cannot decide -- their mass stays below top_p, or more ids tie the last
     candidate than it holds -- rank their whole vocabulary instead. The same kept ids as _nucleus:
     a candidate prefix ranks and sums as the whole vocabulary's prefix does."""
-    n, vocab = probs.shape
-    k = min(NUCLEUS_CANDIDATES, vocab)
+    k = min(NUCLEUS_CANDIDATES, probs.shape[-1])
     values, ids = probs.topk(k, dim=-1)
     ids, by_id = ids.sort(dim=-1)  # ascending ids, so that the stable sort ranks ties by id
     sorted_p, order = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
