@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Iterator
 
@@ -22,7 +22,7 @@ import torch
 
 from .config import GenerateConfig, ModelPairConfig, SamplingParams
 from .workers.drafter import DFlashDrafter
-from .workers.kv_pool import KVStorage
+from .workers.kv_pool import KVStorage, pool_memory
 from .workers.loading import LoadedTarget, load_target, load_tokenizer, target_directory
 from .workers.model import ModelConfig
 from .workers.requests import Budget, Request, Result, Update, check_budget, tree_rows
@@ -79,18 +79,17 @@ def engine_threads(config: ModelPairConfig) -> tuple[int, str]:
     return len(os.sched_getaffinity(0)), "the cores this process may run on"
 
 
-def batch_limits(config: ModelPairConfig, model: ModelConfig, dtype: torch.dtype, on: torch.device) -> BatchLimits:
-    """The scheduler's limits; the KV pool by default: an eighth of the available memory (CPU)
-    or a quarter of the free GPU memory of device `on`, at most `max_num_seqs` full contexts.
-    With tp shards each holds 1/tp of a token's keys and values."""
+def batch_limits(config: ModelPairConfig, model: ModelConfig, dtype: torch.dtype, memory: int) -> BatchLimits:
+    """The scheduler's limits. The KV pool: `kv_cache_tokens` when the config sets it, else
+    what `memory` bytes hold (workers.kv_pool.pool_memory of the device that holds the pool; at
+    tp > 1 the least any shard reports, each shard holding 1/tp of a token's keys and values),
+    at most `max_num_seqs` full contexts and at least four pages.
+
+    Example: memory 8 MiB, 4 KiB of keys and values a token over 2 shards -> 4096 tokens."""
     tokens = config.kv_cache_tokens
     if tokens is None:
-        if on.type == "cuda":
-            budget = torch.cuda.mem_get_info(on)[0] // 4
-        else:
-            budget = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8
         per_token = max(1, KVStorage.bytes_per_token(model, dtype) // config.tp)
-        tokens = min(budget // per_token, config.max_num_seqs * model.max_position_embeddings)
+        tokens = min(memory // per_token, config.max_num_seqs * model.max_position_embeddings)
         tokens = max(tokens, config.kv_page_tokens * 4)
     return BatchLimits(config.max_num_seqs, config.max_waiting, config.max_prefill_tokens, config.max_step_tokens,
                        tokens, config.kv_page_tokens)
@@ -134,7 +133,9 @@ class Engine:
             spec = WorkerSpec(str(directory), str(drafter_path) if drafter_path else None, config.block_size,
                               config.dtype, config.tp, threads, config.lookup, config.topk)
             model_config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
-            limits = batch_limits(config, model_config, dtype, device(config))
+            # this process holds no GPU (serve.app gives a tp > 1 replica none): the pool's size
+            # comes from the memory the shards report once they are up
+            limits = partial(batch_limits, config, model_config, dtype)
             instance = RayInstance(spec, config.budget, config.placement, limits)
             engine = cls(config, target, instance.scheduler, instance.block_size, instance)
         else:
@@ -148,7 +149,7 @@ class Engine:
                 else DFlashDrafter.untrained(target.model, block_size=config.block_size)
             ).to(device(config))
             engine = cls(config, target, None, drafter.block_size)
-            limits = batch_limits(config, target.model.config, dtype, target.model.device)
+            limits = batch_limits(config, target.model.config, dtype, pool_memory(target.model.device))
             engine.scheduler = Scheduler.local(target.model, drafter, config.budget, limits, engine.decode,
                                                lookup=config.lookup, topk=config.topk)
             # the budget policy's T(r), for the deployment's budget or any request's "auto" (tp > 1:

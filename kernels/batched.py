@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .sampling import inverse_cdf, uniform
+from .sampling import inverse_cdf, uniforms
 from .tree import Candidates, Tree, ancestor_mask, compact_kv, walk_tree
 from .tree_batch import TreeBatch, TreeMeta, WalkBatch, pack_bits, unpack_bits
 from .triton_support import ATTENTION_HEAD_DIMS, use_triton
@@ -121,10 +121,8 @@ def sampled_choices(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.T
 
 def sampled_choices_ref(probs, seeds, positions) -> torch.Tensor:
     b, q_len, vocab = probs.shape
-    u = torch.tensor(
-        [[uniform(int(seeds[r]), int(p)) for p in positions[r].tolist()] for r in range(b)], dtype=torch.float64
-    )
-    return inverse_cdf(probs.reshape(-1, vocab).double(), u.reshape(-1).to(probs.device)).view(b, q_len)
+    u = uniforms(seeds.to(probs.device), positions.to(probs.device))
+    return inverse_cdf(probs.reshape(-1, vocab).double(), u.reshape(-1)).view(b, q_len)
 
 
 # --- 5. KV compaction -----------------------------------------------------------------------------

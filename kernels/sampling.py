@@ -1,4 +1,4 @@
-"""Seeded sampling that does not depend on the tree: torch references.
+"""Seeded sampling that does not depend on the tree: the rule, and its batched form.
 
 The token at absolute position t is drawn from the target's processed distribution there with
 one uniform number u(seed, t) from a counter-based generator, by inverse CDF over the vocabulary
@@ -6,11 +6,17 @@ in id order. Nothing else enters the draw, so the token at t depends only on the
 target's distribution at t -- not on the budget, the tree's shape, or other requests in a batch.
 That is what makes a seeded speculative run emit exactly the tokens of plain seeded sampling:
 every tree node is offered the draw its position would get without speculation.
+
+`uniform` and `processed_probs` state the rule for one request (plain decoding uses them);
+`uniforms` and `processed_probs_rows` compute it for a step's rows at once, each row with its own
+request's parameters and seed, without a Python loop over rows or a host read per row, and give
+the same bits (tests/test_sampling.py holds them to it).
 """
 
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -37,6 +43,35 @@ def uniform(seed: int, position: int) -> float:
     """A uniform number in [0, 1) that depends only on (seed, position): SplitMix64 of the
     position, keyed by SplitMix64 of the seed, top 53 bits."""
     return (_splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 11) * 2.0**-53
+
+
+def _as_int64(x: int) -> int:
+    """The two's-complement int64 with the low 64 bits of x."""
+    x &= _MASK64
+    return x - (1 << 64) if x >> 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2 = (_as_int64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+
+
+def _shift_right(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x >> n of int64 tensors read as unsigned 64-bit (torch shifts int64 arithmetically)."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def _splitmix64_tensor(x: torch.Tensor) -> torch.Tensor:
+    """_splitmix64 over an int64 tensor: the same bits (int64 sums and products wrap mod 2^64)."""
+    x = x + _GOLDEN
+    x = (x ^ _shift_right(x, 30)) * _MIX1
+    x = (x ^ _shift_right(x, 27)) * _MIX2
+    return x ^ _shift_right(x, 31)
+
+
+def uniforms(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """`uniform` for many draws at once, where the tensors are: seeds [B] int64, positions
+    [B, Q] int64 -> [B, Q] float64, element (b, i) = uniform(seeds[b], positions[b, i])."""
+    mixed = _splitmix64_tensor(_splitmix64_tensor(seeds.to(torch.int64))[:, None] ^ positions.to(torch.int64))
+    return _shift_right(mixed, 11).to(torch.float64) * 2.0**-53
 
 
 def is_greedy(params: SamplingLike) -> bool:
@@ -96,6 +131,81 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
             kept[r, inside if ids is None else ids[inside]] = True
             break
     return probs.masked_fill(~kept.reshape(probs.shape), 0.0)
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """The sampling parameters of N rows (each row a tree node of some request), as tensors for
+    processed_probs_rows, and what the rows need in all (decided on the host, where the
+    parameters are, so that processing them reads nothing back from the device).
+
+    Example: rows of requests (T 0.7, top_k 20) x 2 and (T 1) x 1 -> temperature [0.7, 0.7, 1],
+    top_k [20, 20, 0], top_p [1, 1, 1], min_p [0, 0, 0]; largest_top_k 20, no top_p, no min_p."""
+
+    temperature: torch.Tensor  # [N] float64
+    top_k: torch.Tensor  # [N] int64: 0 = off (also for -1 and for a top_k not below the vocabulary)
+    top_p: torch.Tensor  # [N] float64: 1 = off
+    min_p: torch.Tensor  # [N] float64: 0 = off
+    largest_top_k: int  # the largest top_k in effect, 0 when none is
+    any_top_p: bool
+    any_min_p: bool
+
+    @classmethod
+    def of(cls, params: list[SamplingLike], vocab: int, device=None) -> "RowSampling":
+        """One row per entry of `params` (none of them greedy)."""
+        top_k = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
+        return cls(
+            torch.tensor([p.temperature for p in params], dtype=torch.float64, device=device),
+            torch.tensor(top_k, dtype=torch.int64, device=device),
+            torch.tensor([p.top_p for p in params], dtype=torch.float64, device=device),
+            torch.tensor([p.min_p for p in params], dtype=torch.float64, device=device),
+            max(top_k, default=0), any(p.top_p < 1.0 for p in params), any(p.min_p > 0.0 for p in params),
+        )
+
+    def select(self, index: torch.Tensor) -> "RowSampling":
+        """The rows `index` [M] (a device tensor: no host read), their needs as the whole's."""
+        return RowSampling(self.temperature[index], self.top_k[index], self.top_p[index], self.min_p[index],
+                           self.largest_top_k, self.any_top_p, self.any_min_p)
+
+
+def processed_probs_rows(logits: torch.Tensor, rows: RowSampling) -> torch.Tensor:
+    """processed_probs of every row of logits [N, V] under its own parameters, at once: row i
+    is bitwise processed_probs(logits[i : i + 1], params of row i)."""
+    x = logits.double() / rows.temperature[:, None]
+    if rows.largest_top_k:
+        # the k-th largest of each row, as topk(k) gives it: the k-th of the largest top_k's topk
+        kth = x.topk(rows.largest_top_k, dim=-1).values.gather(-1, (rows.top_k.clamp(min=1) - 1)[:, None])
+        x = x.masked_fill((rows.top_k > 0)[:, None] & (x < kth), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if rows.any_top_p:
+        probs = _nucleus_rows(probs, rows.top_p)
+    if rows.any_min_p:
+        probs = probs.masked_fill(probs < rows.min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def _nucleus_rows(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """_nucleus of rows [N, V] with their own top_p [N] (rows at 1 kept whole), batched: the
+    rows' NUCLEUS_CANDIDATES largest, ranked (probability descending, id ascending); the rows
+    whose nucleus those cannot decide -- their mass stays below top_p, or more ids tie the last
+    candidate than it holds -- rank their whole vocabulary instead. The same kept ids as _nucleus:
+    a candidate prefix ranks and sums as the whole vocabulary's prefix does."""
+    k = min(NUCLEUS_CANDIDATES, probs.shape[-1])
+    values, ids = probs.topk(k, dim=-1)
+    ids, by_id = ids.sort(dim=-1)  # ascending ids, so that the stable sort ranks ties by id
+    sorted_p, order = values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+    ranked = ids.gather(-1, order)
+    mass = sorted_p.cumsum(-1)
+    inside = (mass - sorted_p) < top_p[:, None]
+    kept = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, ranked, inside)
+    undecided = ((mass[:, -1] < top_p) | ((probs >= sorted_p[:, -1:]).sum(-1) > k)) & (top_p < 1.0)
+    rows = undecided.nonzero().view(-1)  # one host read for the call
+    if len(rows):
+        sorted_p, order = probs[rows].sort(dim=-1, descending=True, stable=True)
+        inside = (sorted_p.cumsum(-1) - sorted_p) < top_p[rows, None]
+        kept[rows] = torch.zeros_like(sorted_p, dtype=torch.bool).scatter_(-1, order, inside)
+    kept |= (top_p >= 1.0)[:, None]
+    return probs.masked_fill(~kept, 0.0)
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

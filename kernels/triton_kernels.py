@@ -299,12 +299,16 @@ def compact_kv_batch_triton(k, v, start: torch.Tensor, walk: WalkBatch) -> None:
 
 
 # --- 6. top-K log-probs per drafted position ------------------------------------------------------
+# K is a runtime loop bound, not a tl.constexpr: `budget: auto` asks for a different K nearly
+# every step (the tree's nodes), and a constexpr K compiled a kernel for each one, stalling every
+# stream on the JIT. The kernels compile once per vocabulary tiling, and the merge once per
+# power-of-two bucket of its candidates (BLOCK_C = next_pow2(blocks x K): 7 sizes for K <= 64).
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K"])
 def _topk_blocks_kernel(
-    logits_ptr, cand_val_ptr, cand_id_ptr, block_max_ptr, block_sum_ptr, V, NB,
-    stride_lr, K: tl.constexpr, BLOCK_V: tl.constexpr,
+    logits_ptr, cand_val_ptr, cand_id_ptr, block_max_ptr, block_sum_ptr, V, NB, K,
+    stride_lr, BLOCK_V: tl.constexpr,
 ):
     """Stage 1, one program per (row, vocabulary block): the block's max and sum of exp (for
     the log-sum-exp) and its K best logits (equal values: lower id first)."""
@@ -315,7 +319,7 @@ def _topk_blocks_kernel(
     top = tl.max(x, 0)
     tl.store(block_max_ptr + r * NB + blk, top)
     tl.store(block_sum_ptr + r * NB + blk, tl.sum(tl.exp(x - top), 0))
-    for j in tl.static_range(K):
+    for j in range(K):
         best = tl.max(x, 0)
         at = tl.min(tl.where(x == best, ids, 2147483647), 0)
         tl.store(cand_val_ptr + (r * NB + blk) * K + j, best)
@@ -323,10 +327,10 @@ def _topk_blocks_kernel(
         x = tl.where(ids == at, float("-inf"), x)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K"])
 def _topk_merge_kernel(
-    cand_val_ptr, cand_id_ptr, block_max_ptr, block_sum_ptr, out_val_ptr, out_id_ptr, NB,
-    K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
+    cand_val_ptr, cand_id_ptr, block_max_ptr, block_sum_ptr, out_val_ptr, out_id_ptr, NB, K,
+    BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
     """Stage 2, one program per row: log-sum-exp over the blocks, the K best candidates."""
     r = tl.program_id(0)
@@ -339,7 +343,7 @@ def _topk_merge_kernel(
     n = NB * K
     vals = tl.load(cand_val_ptr + r * n + offs_c, mask=offs_c < n, other=float("-inf"))
     cids = tl.load(cand_id_ptr + r * n + offs_c, mask=offs_c < n, other=2147483647)
-    for j in tl.static_range(K):
+    for j in range(K):
         best = tl.max(vals, 0)
         at = tl.min(tl.where(vals == best, cids, 2147483647), 0)
         tl.store(out_val_ptr + r * K + j, best - lse)
@@ -347,20 +351,30 @@ def _topk_merge_kernel(
         vals = tl.where(cids == at, float("-inf"), vals)
 
 
+def topk_tiles(vocab: int, k: int, block_v: int = 4096) -> tuple[int, int, int]:
+    """(BLOCK_V, BLOCK_C, BLOCK_B): the top-K kernels' compile-time tiles for a vocabulary and K.
+    Only BLOCK_C follows K, by powers of two.
+
+    Example: vocab 151936, k 1 ... 64 -> BLOCK_V 4096 (38 blocks); BLOCK_C 64, 128, ..., 4096."""
+    block_v = min(block_v, next_pow2(vocab))
+    nb = triton.cdiv(vocab, block_v)
+    return block_v, next_pow2(nb * k), next_pow2(nb)
+
+
 def topk_logprobs_triton(logits: torch.Tensor, k: int, block_v: int = 4096):
     rows, vocab = logits.shape
     assert 1 <= k <= vocab and logits.stride(1) == 1
-    block_v = min(block_v, next_pow2(vocab))
+    block_v, block_c, block_b = topk_tiles(vocab, k, block_v)
     nb = triton.cdiv(vocab, block_v)
     dev = logits.device
     cand_val = torch.empty(rows, nb, k, dtype=torch.float32, device=dev)
     cand_id = torch.empty(rows, nb, k, dtype=torch.int32, device=dev)
     block_max = torch.empty(rows, nb, dtype=torch.float32, device=dev)
     block_sum = torch.empty(rows, nb, dtype=torch.float32, device=dev)
-    _topk_blocks_kernel[(rows, nb)](logits, cand_val, cand_id, block_max, block_sum, vocab, nb,
-                                    logits.stride(0), K=k, BLOCK_V=block_v)
+    _topk_blocks_kernel[(rows, nb)](logits, cand_val, cand_id, block_max, block_sum, vocab, nb, k,
+                                    logits.stride(0), BLOCK_V=block_v)
     values = torch.empty(rows, k, dtype=torch.float32, device=dev)
     ids = torch.empty(rows, k, dtype=torch.int64, device=dev)
-    _topk_merge_kernel[(rows,)](cand_val, cand_id, block_max, block_sum, values, ids, nb,
-                                K=k, BLOCK_C=next_pow2(nb * k), BLOCK_B=next_pow2(nb))
+    _topk_merge_kernel[(rows,)](cand_val, cand_id, block_max, block_sum, values, ids, nb, k,
+                                BLOCK_C=block_c, BLOCK_B=block_b)
     return values, ids

@@ -16,8 +16,10 @@ import torch
 from ddtree.config import SamplingParams
 from ddtree.workers.requests import Request
 from ddtree.workers.solo import SoloLoop
+from ddtree.workers.batch_backends import LocalBatchDrafter, LocalBatchTarget
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.kv_pool import KVStorage, PageAllocator
+from ddtree.workers.loading import load_target_weights
 from ddtree.workers.model import KVCache
 from ddtree.workers.scheduler import BatchLimits, QueueFull, Scheduler, bucket, grant
 
@@ -480,3 +482,56 @@ def test_topk_bounds_every_nodes_children_and_changes_no_token(tiny_checkpoint, 
         assert any(max_children(t) > 1 for b, t in drafted if b != "chain")
     else:
         assert any(max_children(t) == topk for b, t in drafted if b != "chain" and b >= topk)
+
+
+class PaddedTarget(LocalBatchTarget):
+    """The local target forced onto the padded path (`packs_rows=False`), keeping each verify
+    forward's real rows per tree and its Q so a test can see that padding rows ran."""
+
+    def __init__(self, model):
+        super().__init__(model, packs_rows=False)
+        self.verify_shapes: list[tuple[list[int], int]] = []  # (real rows per tree, Q) of each verify
+
+    def forward(self, batch):
+        if batch.rows is not None:
+            self.verify_shapes.append((list(batch.rows), batch.tokens.shape[1]))
+        return super().forward(batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64-sdpa", "float32-cpu-kernel"])
+def test_the_padded_batched_step_a_gpu_runs_gives_plain_decoding(tiny_checkpoint, dtype):
+    """The seeds' SGLang port garbled temperature-0 text once a batch of trees ran padded to a
+    common row count with fewer real nodes than that: padding rows must see only themselves, the
+    keys and values they write to the pool must never be read as a real token's, and their
+    logits are never read. A GPU runs that padded forward (static shapes); the CPU packs the
+    real rows and skips padding (workers.model.Packing), so here the local target is forced onto
+    the padded path and every padding row is computed and written to the pool. Mixed budgets
+    (0, chain, 4, 16, auto), greedy and seeded, several sequences a step: every request gets its
+    plain decoding's tokens (float64: through the masked SDPA a GPU without the tree kernel takes;
+    float32: through the CPU tree-attention kernel over every row, equal to the packed step)."""
+    hf, target64, directory = tiny_checkpoint("llama", 97)
+    target = target64 if dtype == torch.float64 else load_target_weights(directory, dtype)
+    drafter = DFlashDrafter.untrained(target, block_size=8, seed=7)
+    prompts = [[5, 6, 7], [1], [9, 3, 3, 2, 8], [4, 4], [11, 12, 13, 14], [2]]
+    budgets = [0, "chain", 4, 16, "auto", 16]
+    requests = [
+        Request(p, 16, budget=b, sampling=SamplingParams(temperature=0.8, top_p=0.9, seed=60 + i) if i % 2 else SamplingParams())
+        for i, (p, b) in enumerate(zip(prompts, budgets))
+    ]
+    limits = BatchLimits(max_num_seqs=6, max_step_tokens=6 * 17, kv_cache_tokens=512, kv_page_tokens=4)
+    padded = PaddedTarget(target)
+    results = Scheduler(padded, LocalBatchDrafter(drafter), 0, limits).generate(requests)
+    if dtype == torch.float64:
+        plain = [SoloLoop.local(target, drafter).generate([Request(r.prompt, 16, sampling=r.sampling, budget=0)])[0].tokens
+                 for r in requests]
+        for r, tokens in zip(requests, plain):
+            if r.sampling.temperature == 0:
+                assert tokens == hf_greedy(hf, r.prompt, 16)
+    else:  # float32: the packed step (the CPU's own) computes each real row bitwise as the padded one does
+        plain = [r.tokens for r in Scheduler.local(target, drafter, 0, limits).generate(requests)]
+    for i, (result, tokens) in enumerate(zip(results, plain)):
+        assert result.tokens == tokens, f"request {i} (budget {budgets[i]}, {requests[i].sampling}) differs"
+    assert not padded.packs_rows
+    padded_steps = [(rows, q) for rows, q in padded.verify_shapes if len(rows) > 1 and sum(rows) < len(rows) * q]
+    assert padded_steps, "some verify step batched trees smaller than its Q (padding rows ran)"
+    assert any(q >= 17 for _, q in padded_steps), "a budget-16 tree set Q = 17 beside smaller trees"

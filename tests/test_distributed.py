@@ -142,6 +142,27 @@ def test_the_configs_placement_is_the_placement_group_the_engine_makes(ray_clust
         distributed.shutdown()
 
 
+def test_a_tp2_engine_with_device_cuda_starts_on_a_replica_without_a_gpu(ray_cluster, tiny_chat_model):
+    """`device: cuda` at tp 2 (the shipped NVLink RayService): the engine replica holds no GPU,
+    and it failed at start-up asking torch.cuda for the free memory of one. Here the replica's
+    process has no GPU at all; the engine starts, its pool is sized by what its shards report
+    (the least of them), and it serves."""
+    from ddtree.config import ModelPairConfig
+    from ddtree.engine import Engine
+
+    config = ModelPairConfig(model=str(tiny_chat_model), budget=0, block_size=4, tp=2, threads=1, device="cuda",
+                             max_num_seqs=2)
+    engine = Engine.from_config(config)
+    try:
+        assert len(engine.generate([Request([1, 2, 3], 4)])[0].tokens) == 4
+        shards = [h for name, h in ray.get(engine.instance.actor.worker_handles.remote()).items() if "shard" in name]
+        assert len(shards) == 2 and min(ray.get([s.pool_memory.remote() for s in shards])) > 0
+        # the pool holds what the config allows (2 contexts of 256) when the shards' memory has room
+        assert ray.get(engine.instance.actor.stats.remote())["pages"] == 2 * 256 // config.kv_page_tokens
+    finally:
+        engine.shutdown()
+
+
 def test_a_killed_shard_ends_its_request_with_a_clear_error_and_the_next_one_succeeds(tiny_engines):
     """A TargetShard dying mid-generation must not hang the request (its peer waits in a
     collective that will never complete) nor poison the next one: the request fails with

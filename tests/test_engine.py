@@ -97,3 +97,32 @@ def test_a_closed_loop_gives_each_request_its_own_length(engine):
     assert row.requests == 3 and row.tokens <= 11
     fixed = load_bench.run_inprocess(engine, [short], 0, 2, 3, 5)
     assert row.tokens == min(fixed.tokens // 3, 3) * 2 + min(fixed.tokens // 3, 5)
+
+
+def test_a_tp2_cuda_engines_kv_pool_is_sized_by_its_shards_memory(tiny_checkpoint):
+    """serve.app gives a tp > 1 engine replica no GPU (its shards hold them), yet the replica
+    sized the KV pool by torch.cuda.mem_get_info of a GPU it did not have: the shipped NVLink
+    RayService could not start. The limits are a function of the memory a shard reports (its
+    own device's: workers.kv_pool.pool_memory), here a real tiny shard on this machine's CPU,
+    each shard holding half of a token's keys and values."""
+    import json
+
+    import torch
+
+    from ddtree.engine import batch_limits
+    from ddtree.workers.distributed import TargetShardWorker, WorkerSpec
+    from ddtree.workers.kv_pool import KVStorage
+    from ddtree.workers.model import ModelConfig
+
+    _, _, directory = tiny_checkpoint("llama", 97)
+    config = ModelPairConfig(model=str(directory), tp=2, device="cuda", dtype="float64", max_num_seqs=4)
+    model = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
+    per_shard = KVStorage.bytes_per_token(model, torch.float64) // 2
+    assert batch_limits(config, model, torch.float64, 300 * per_shard).kv_cache_tokens == 300
+    assert batch_limits(config, model, torch.float64, 10**15).kv_cache_tokens == 4 * model.max_position_embeddings
+    assert batch_limits(config, model, torch.float64, 0).kv_cache_tokens == 4 * config.kv_page_tokens  # four pages
+    shard = TargetShardWorker(WorkerSpec(str(directory), None, 8, "float64", 2, 1), rank=1)
+    memory = shard.pool_memory()
+    assert memory > 0
+    expected = min(memory // per_shard, 4 * model.max_position_embeddings)
+    assert batch_limits(config, model, torch.float64, memory).kv_cache_tokens == expected

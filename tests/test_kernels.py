@@ -9,6 +9,7 @@ conftest.py); `make gpu-check` runs this file compiled on CUDA (DDTREE_KERNEL_DE
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -230,6 +231,52 @@ def test_topk_logprobs_kernel_equals_reference(vocab, k):
     assert torch.equal(got_i.cpu(), want_i)
     torch.testing.assert_close(got_v.cpu(), want_v, atol=1e-4, rtol=1e-5)
     assert got_i[3, : min(k, 10)].tolist() == list(range(1000, 1000 + min(k, 10)))
+
+
+class LaunchRecorder:
+    """A Triton kernel that runs as it is and records the compile-time arguments (the
+    tl.constexpr keywords) of every launch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.constexprs = kernel, set()
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **constexprs):
+            self.constexprs.add(tuple(sorted(constexprs.items())))
+            return launch(*args, **constexprs)
+
+        return run
+
+
+def test_topk_kernel_equals_reference_for_every_k_and_compiles_a_bounded_set(monkeypatch):
+    """`budget: auto` asks the drafter's top-K for a different K nearly every step, and the
+    kernel unrolled K as a compile-time constant: a JIT compile for each new K, stalling every
+    stream. For every K in 1 ... 64 the kernels give the reference's ids and log-probs (ties:
+    the lower id first, within a vocabulary block and across blocks), over a vocabulary of 300
+    in blocks of 128 (the last one partial), while K is no compile-time argument: the launches'
+    constexprs take at most one set per power-of-two bucket of K."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(1, 300, generator=g) * 3
+    logits[0, 120:140] = 40.0  # 20 equal best logits across the boundary of blocks 0 and 1
+    logits[0, 290:300] = 40.0  # and 10 more in the partial last block
+    logits[0, 60:100] = 30.0  # the next 40 equal, and 10 more of them in block 1
+    logits[0, 200:210] = 30.0
+    blocks = LaunchRecorder(tk._topk_blocks_kernel)
+    merge = LaunchRecorder(tk._topk_merge_kernel)
+    monkeypatch.setattr(tk, "_topk_blocks_kernel", blocks)
+    monkeypatch.setattr(tk, "_topk_merge_kernel", merge)
+    for k in range(1, 65):
+        got_v, got_i = tk.topk_logprobs_triton(logits.to(DEVICE), k, block_v=128)
+        want_v, want_i = batched.topk_logprobs_ref(logits, k)
+        assert torch.equal(got_i.cpu(), want_i), k
+        torch.testing.assert_close(got_v.cpu(), want_v, atol=1e-4, rtol=1e-5)
+    assert len(blocks.constexprs) == 1 and len(merge.constexprs) <= 8, (blocks.constexprs, merge.constexprs)
+    for kernel in (tk._topk_blocks_kernel.kernel, tk._topk_merge_kernel.kernel):
+        assert "constexpr" not in str(inspect.signature(kernel.fn).parameters["K"].annotation)
+    for vocab in (49152, 151936):  # the real vocabularies' tiles over K = 1 ... 64
+        assert len({tk.topk_tiles(vocab, k) for k in range(1, 65)}) <= 8
 
 
 def test_dispatch_uses_the_reference_for_cpu_tensors(mixed_batch, monkeypatch):

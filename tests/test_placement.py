@@ -133,3 +133,34 @@ def test_the_nvlink_rayservice_serves_the_plans_placement():
     args = ServeConfig.model_validate(yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"])
     assert args.tp == chosen.tp == 2
     assert args.placement == chosen.placement()
+
+
+@pytest.mark.parametrize("name", ["rayservice-gpu-nvlink", "rayservice-gpu-pcie"])
+def test_the_gpu_samples_fetch_weights_with_a_command_the_image_has(name):
+    """The GPU samples' init containers called `huggingface-cli`, which huggingface_hub 1.x
+    removed (the image installs 2.x from constraints.txt): the pods never got their weights.
+    Every command an init container chains must be a console script of the installed packages."""
+    from importlib.metadata import entry_points
+
+    scripts = {e.name for e in entry_points(group="console_scripts")}
+    service = yaml.safe_load((ROOT / "cluster" / "kuberay" / f"{name}.yaml").read_text())
+    groups = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    inits = [c for g in groups for c in g["template"]["spec"].get("initContainers", [])]
+    assert inits, "the sample fetches its weights in an init container"
+    for container in inits:
+        for step in " ".join(container["args"]).split("&&"):
+            command = step.split()[0]
+            assert command in scripts, f"{name}: {command!r} is no command of the image's packages"
+
+
+def test_the_image_installs_at_the_constraints_and_builds_the_cpu_kernels():
+    """cluster/Dockerfile installed ddtree at whatever releases were newest, not the ones
+    `make install` tests (constraints.txt), and left the CPU kernels to compile on a replica's
+    first forward."""
+    lines = (ROOT / "cluster" / "Dockerfile").read_text().replace("\\\n", " ").splitlines()
+    installs = [part for line in lines for part in line.split("&&") if "pip install" in part]
+    assert any("/home/ray/ddtree " in f"{p} " for p in installs), "ddtree itself is installed"
+    for part in installs:
+        if "torch==" not in part:  # torch: its own pin and index, as in the Makefile
+            assert "-c /home/ray/ddtree/constraints.txt" in part, part
+    assert any("python -m ddtree.workers.cpu_gemm" in line for line in lines)

@@ -61,6 +61,73 @@ def test_inverse_cdf_never_picks_a_zero_probability_token():
     assert inverse_cdf(probs, u).tolist() == [1, 1, 3, 3]
 
 
+def test_uniforms_are_uniform_bit_for_bit():
+    """The batched generator (int64 tensors) gives `uniform`'s numbers, at the edges of 64 bits."""
+    seeds = torch.tensor([0, 1, 7, 2**63 - 1, -1, -(2**63), 123456789123])
+    positions = torch.tensor([[0, 1, 2**40, 2**63 - 1, -5]]).expand(len(seeds), -1)
+    got = sampling.uniforms(seeds, positions)
+    assert got.dtype == torch.float64
+    assert got.tolist() == [[uniform(s, p) for p in row] for s, row in zip(seeds.tolist(), positions.tolist())]
+
+
+BATCH_SETTINGS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.7, top_k=20, top_p=0.9, min_p=0.02),
+    SamplingParams(temperature=0.5, top_p=0.3),
+    SamplingParams(temperature=1.3, top_k=5),
+    SamplingParams(temperature=0.9, min_p=0.1),
+    SamplingParams(temperature=0.8, top_k=3000, top_p=0.999),  # top_k past the vocabulary: off
+    SamplingParams(temperature=2.0, top_p=0.05),
+]
+
+
+@pytest.mark.parametrize("vocab", [2000, 700], ids=["candidates", "vocab-below-candidates"])
+def test_processed_probs_rows_are_each_rows_own_bit_for_bit(vocab):
+    """A step's seeded nodes are processed at once, each under its request's parameters: every
+    row equals processed_probs of that row alone, bit for bit (so every draw is the one plain
+    seeded sampling makes), including rows whose nucleus reaches past the top candidates, rows
+    with ties at the last candidate, and rows of equal logits."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(len(BATCH_SETTINGS) * 3, vocab, generator=g, dtype=torch.float64) * 4
+    logits[1, :] = 0.5  # every logit equal
+    logits[4, 100:1500] = logits[4, 100]  # many ties, across the candidates' boundary
+    logits[8] = torch.randn(vocab, generator=g, dtype=torch.float64) * 0.01  # flat: the nucleus is wide
+    params = [BATCH_SETTINGS[i % len(BATCH_SETTINGS)] for i in range(len(logits))]
+    got = sampling.processed_probs_rows(logits.float(), sampling.RowSampling.of(params, vocab))
+    for i, p in enumerate(params):
+        want = processed_probs(logits[i : i + 1].float(), p)
+        assert torch.equal(got[i : i + 1], want), (i, p)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_a_steps_seeded_nodes_are_drawn_at_once(monkeypatch, packed):
+    """The step's choice drew each seeded row's nodes in a Python loop over rows, with host reads
+    per row. Now every seeded node of a step is processed and drawn in one call (padded [B, K]
+    logits, or a packed step's real rows), and each node still gets the rule's token for its own
+    request: kernels.sampling.choose_tokens of that request's seed at that node's position."""
+    from ddtree.workers import model as target_model
+    from ddtree.workers.model import Packing, SingleProcess
+
+    draws = []
+    real_draw = target_model.sampled_choices
+    monkeypatch.setattr(target_model, "sampled_choices", lambda *a: draws.append(a[0].shape) or real_draw(*a))
+    b, q, vocab = 5, 4, 300
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(b, q, vocab, generator=g, dtype=torch.float64) * 3
+    rules = [BATCH_SETTINGS[1], SamplingParams(), BATCH_SETTINGS[2], BATCH_SETTINGS[0], SamplingParams(temperature=0.9, top_k=1)]
+    seeds = [11, None, 2**62 + 5, 7, None]
+    positions = torch.arange(b * q).view(b, q) + 30
+    rows = torch.tensor([4, 2, 1, 3, 4])
+    packing = Packing.of(rows, q) if packed else None
+    flat_logits = packing.pack(logits) if packed else logits
+    got = SingleProcess().choose_rows(flat_logits, rules, seeds, positions, packing)
+    assert len(draws) == 1, f"{len(draws)} draw calls for one step"
+    for r, rule in enumerate(rules):
+        n = int(rows[r]) if packed else q
+        want = sampling.choose_tokens(logits[r, :n], rule, seeds[r], positions[r, :n].tolist())
+        assert got[r, :n].tolist() == want.tolist(), r
+
+
 # --- lossless, seeded -----------------------------------------------------------------------
 
 SETTINGS = {

@@ -96,11 +96,17 @@ class BatchDrafter(Protocol):
 
 class LocalBatchTarget:
     """A TargetModel (the whole model, or one tensor-parallel shard of it) and its KV storage
-    in this process."""
+    in this process.
 
-    def __init__(self, model: TargetModel):
+    `packs_rows`: whether a verify step computes its trees' real rows only (workers.model.Packing);
+    None takes the device's choice (workers.model.packs_rows: the CPU packs, a GPU does not).
+    False on the CPU runs the padded forward a GPU runs: every tree padded to the step's Q, every
+    padding row computed and its keys and values written to the pool."""
+
+    def __init__(self, model: TargetModel, packs_rows: bool | None = None):
         self.model = model
         self.storage: KVStorage | None = None
+        self._packs_rows = packs_rows
 
     @property
     def device(self) -> torch.device:
@@ -108,7 +114,7 @@ class LocalBatchTarget:
 
     @property
     def packs_rows(self) -> bool:
-        return packs_rows(self.model.device)
+        return packs_rows(self.model.device) if self._packs_rows is None else self._packs_rows
 
     def allocate(self, num_pages: int, page: int) -> None:
         self.storage = None  # the old one goes first

@@ -28,6 +28,7 @@ import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Callable
 
 import ray
 import torch
@@ -41,6 +42,7 @@ from ..kernels.tree import Candidates
 from .batch_backends import DraftRows, LocalBatchDrafter, LocalBatchTarget, TargetBatch, TargetStep
 from .requests import Budget, Request, Result, Update, check_budget
 from .drafter import DFlashConfig, DFlashDrafter
+from .kv_pool import pool_memory
 from .loading import load_target_heads, load_target_weights, load_tokenizer
 from .model import ModelConfig, packs_rows
 from .policy import CostCurve, measure_step_cost
@@ -53,6 +55,12 @@ SCHEDULER_CPUS = 0.25  # of bundle 0 (shard 0 takes the rest of it)
 DRAFTER_CPUS = 0.25  # of bundle 0
 DRAFTER_GPU_SHARE = 0.1  # of bundle 0's GPUs (the drafter shares shard 0's GPU)
 ARRIVALS = "arrivals"  # the SchedulerActor's concurrency group of `add` and `cancel` (one thread)
+
+
+# The Scheduler's limits as a function of the bytes the KV pool may take on each shard's device
+# (the least any shard reports, workers.kv_pool.pool_memory): the process that makes a model
+# instance holds no GPU at tp > 1, so only the shards can say how much memory their pool has.
+LimitsOfMemory = Callable[[int], BatchLimits]
 
 
 class WorkerDiedError(RuntimeError):
@@ -93,6 +101,10 @@ class TargetShardWorker:
 
     def ready(self) -> bool:
         return True
+
+    def pool_memory(self) -> int:
+        """The bytes this shard's part of the KV pool may take on its device (workers.kv_pool)."""
+        return pool_memory(self.device)
 
     def packs_rows(self) -> bool:
         """Whether this shard computes a padded step's real rows only (workers.model.Packing)."""
@@ -246,10 +258,10 @@ class SchedulerActor:
     or leaves while a step runs, as the Scheduler allows; everything else runs one call at a time."""
 
     def __init__(self, spec: WorkerSpec, budget: Budget, group: PlacementGroup,
-                 placement: Placement, limits: BatchLimits = BatchLimits()):
+                 placement: Placement, limits: BatchLimits | LimitsOfMemory = BatchLimits()):
         self.spec, self.budget, self.group = spec, budget, group
         self.placement = placement  # `group` was made from it: shard r in bundle r
-        self.limits = limits
+        self.limits = limits  # a LimitsOfMemory becomes the BatchLimits once the shards are up
         directory = Path(spec.target_dir)
         has_tokenizer = any((directory / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
         self.tokenizer = load_tokenizer(directory) if has_tokenizer else None  # None: no stop strings
@@ -287,6 +299,8 @@ class SchedulerActor:
             _get([s.join.remote(host, port) for s in shards], [f"target shard {r}" for r in range(len(shards))])
             block_size, layer_ids = _get([drafter.shape.remote()], ["drafter"])[0]
             packs = _get([shards[0].packs_rows.remote()], ["target shard 0"])[0]
+            if not isinstance(self.limits, BatchLimits):  # sized by the shard with the least memory
+                self.limits = self.limits(min(_get([s.pool_memory.remote() for s in shards], names[1:])))
         except WorkerDiedError:
             self._stop_workers()
             raise
@@ -380,9 +394,10 @@ class RayInstance:
     there (RemoteScheduler), which ddtree.engine.Engine drives like an in-process Scheduler."""
 
     def __init__(self, spec: WorkerSpec, budget: Budget = 0,
-                 placement: Placement | None = None, limits: BatchLimits = BatchLimits()):
+                 placement: Placement | None = None, limits: BatchLimits | LimitsOfMemory = BatchLimits()):
         """`placement`: the placement group to make (config.Placement, one bundle per shard, e.g.
-        `ddtree plan`'s); None = default_placement."""
+        `ddtree plan`'s); None = default_placement. `limits`: the Scheduler's, or a function of
+        the shards' KV memory that gives them (ddtree.engine.batch_limits with its config bound)."""
         if not ray.is_initialized():
             ray.init(include_dashboard=False)
         self.spec = spec

@@ -21,6 +21,7 @@ positions 4-7 in slots 8-11; its position 6 is slot 2 * 4 + 2 = 10.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +87,16 @@ class PageAllocator:
     def slots(self, tables: list[list[int]], positions: torch.Tensor) -> torch.Tensor:
         """positions [B, N] (each within its row's pages) -> pool slots [B, N]."""
         return page_slots(tables, positions, self.page)
+
+
+def pool_memory(device: torch.device) -> int:
+    """The bytes a KV pool may take on `device`: a quarter of its free memory on a GPU, an
+    eighth of the machine's available memory on the CPU. Asked where the pool lives: in the
+    process that holds the model, or in each tensor-parallel shard (workers.distributed)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] // 4
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 8
 
 
 class KVStorage:

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..config import GREEDY
 from ..kernels.batched import sampled_choices, tree_attention
-from ..kernels.sampling import choose_tokens, is_greedy, processed_probs
+from ..kernels.sampling import RowSampling, choose_tokens, is_greedy, processed_probs_rows
 from ..kernels.tree_batch import unpack_bits
 from ..kernels.triton_support import use_triton
 from . import cpu_gemm
@@ -684,9 +684,9 @@ class SingleProcess:
                     draw_positions: torch.Tensor, packing: Packing | None = None) -> torch.Tensor:
         """[B, K] the target's token at every kept row, each row by its own rule: the argmax when
         greedy, else the seeded draw for the position the token takes (kernels.sampling's rule,
-        batched). logits [B, K, V] (on a tensor-parallel shard [B, K, V_local], and every shard
-        returns the same: greedy rows gather one (value, id) per node between the shards, a
-        seeded row gathers its logits).
+        batched: every seeded node of the step in one draw). logits [B, K, V] (on a
+        tensor-parallel shard [B, K, V_local], and every shard returns the same: greedy rows
+        gather one (value, id) per node between the shards, seeded rows gather their logits).
 
         Example: rows (greedy, seed 7), K = 2 -> row 0 is logits[0].argmax(-1); row 1 is the
         inverse-CDF draw of processed_probs(logits[1]) at u(7, draw_positions[1, k]) for k = 0, 1.
@@ -694,17 +694,18 @@ class SingleProcess:
         if packing is not None:
             return self._choose_packed(logits, sampling, seeds, draw_positions, packing)
         b, k, _ = logits.shape
-        choices = torch.empty((b, k), dtype=torch.int64, device=logits.device)
         greedy = [r for r in range(b) if is_greedy(sampling[r])]
         if len(greedy) == b:  # every row greedy: the logits as they are, no copy of [B, K, V]
-            choices = self.choose(logits.reshape(b * k, logits.shape[-1]), GREEDY, None, []).view(b, k).to(logits.device)
-        elif greedy:
+            return self.choose(logits.reshape(b * k, logits.shape[-1]), GREEDY, None, []).view(b, k).to(logits.device)
+        choices = torch.empty((b, k), dtype=torch.int64, device=logits.device)
+        if greedy:
             nodes = logits[greedy].reshape(len(greedy) * k, logits.shape[-1])
             choices[greedy] = self.choose(nodes, GREEDY, None, []).view(len(greedy), k).to(logits.device)
-        for r in sorted(set(range(b)) - set(greedy)):
-            probs = processed_probs(self.gather_vocab(logits[r]), sampling[r])
-            seed = torch.tensor([seeds[r]], dtype=torch.int64, device=logits.device)
-            choices[r] = sampled_choices(probs[None], seed, draw_positions[r : r + 1].to(logits.device))[0]
+        seeded = [r for r in range(b) if not is_greedy(sampling[r])]
+        owner = torch.arange(len(seeded), device=logits.device).repeat_interleave(k)
+        picks = self._draw(logits[seeded].reshape(len(seeded) * k, logits.shape[-1]), [sampling[r] for r in seeded],
+                           [seeds[r] for r in seeded], owner, draw_positions[seeded].reshape(-1))
+        choices[seeded] = picks.view(len(seeded), k)
         return choices
 
     def _choose_packed(self, logits, sampling, seeds, draw_positions, packing: Packing) -> torch.Tensor:
@@ -713,19 +714,30 @@ class SingleProcess:
         if all(is_greedy(p) for p in sampling):  # the logits as they are: `logits[chosen]` copied [N, V]
             flat[packing.index] = self.choose(logits, GREEDY, None, []).to(logits.device)
             return flat.view(packing.batch, packing.q_len)
-        owner = packing.sequences
-        greedy = torch.tensor([is_greedy(p) for p in sampling], device=logits.device)
-        chosen = greedy[owner].nonzero().view(-1)
+        seeded = [r for r in range(packing.batch) if not is_greedy(sampling[r])]
+        slot = torch.full((packing.batch,), -1, dtype=torch.int64)  # sequence b -> its place in `seeded`
+        slot[seeded] = torch.arange(len(seeded))
+        owner = slot.to(logits.device)[packing.sequences]  # [N]: each real row's seeded place, or -1
+        chosen = (owner < 0).nonzero().view(-1)
         if len(chosen):
             flat[packing.index[chosen]] = self.choose(logits[chosen], GREEDY, None, []).to(logits.device)
-        starts = torch.cat([packing.rows.new_zeros(1), packing.rows.cumsum(0)]).tolist()
-        for r in [r for r in range(packing.batch) if not is_greedy(sampling[r]) and packing.rows[r] > 0]:
-            n = starts[r + 1] - starts[r]
-            probs = processed_probs(self.gather_vocab(logits[starts[r] : starts[r + 1]]), sampling[r])
-            seed = torch.tensor([seeds[r]], dtype=torch.int64, device=logits.device)
-            picks = sampled_choices(probs[None], seed, draw_positions[r : r + 1, :n].to(logits.device))[0]
-            flat[r * packing.q_len : r * packing.q_len + n] = picks
+        drawn = (owner >= 0).nonzero().view(-1)
+        if len(drawn):
+            at = packing.index[drawn]  # into the flattened [B * Q]
+            flat[at] = self._draw(logits[drawn], [sampling[r] for r in seeded], [seeds[r] for r in seeded],
+                                  owner[drawn], draw_positions.to(logits.device).view(-1)[at])
         return flat.view(packing.batch, packing.q_len)
+
+    def _draw(self, logits: torch.Tensor, params: list, seeds: list[int], owner: torch.Tensor,
+              positions: torch.Tensor) -> torch.Tensor:
+        """The seeded draws of N nodes at once: logits [N, V] (a shard: [N, V_local]), node n
+        belonging to request owner[n] (its `params` and `seeds` entry), positions [N] the
+        position each node's token takes -> [N] int64."""
+        full = self.gather_vocab(logits)
+        rows = RowSampling.of(params, full.shape[-1], full.device).select(owner)
+        seed = torch.tensor(seeds, dtype=torch.int64, device=full.device)[owner]
+        probs = processed_probs_rows(full, rows)
+        return sampled_choices(probs[:, None], seed, positions.to(full.device)[:, None])[:, 0]
 
 
 @dataclass
