@@ -23,7 +23,7 @@ from ..config import GREEDY
 from ..kernels.batched import sampled_choices, tree_attention
 from ..kernels.sampling import choose_tokens, is_greedy, processed_probs
 from ..kernels.tree_batch import unpack_bits
-from ..kernels.triton_support import use_triton
+from ..kernels.triton_support import ATTENTION_HEAD_DIMS, use_triton
 from . import cpu_gemm
 
 FAMILIES = ("llama", "qwen3")
@@ -574,6 +574,14 @@ def uses_kernel(block_mask, keys: torch.Tensor) -> bool:
     """Whether the Triton tree-attention kernel serves a block: its mask is TreeBits and the
     keys are on CUDA. The one place the target's attention picks its route."""
     return isinstance(block_mask, TreeBits) and use_triton(keys)
+
+
+def uses_paged_kernel(pool_keys: torch.Tensor, q_len: int) -> bool:
+    """Whether a paged pool's block attends through the paged tree-attention kernel (reading
+    the pool in place through the block tables): the pool is on CUDA, the block is a decode or
+    verify step (<= ATTENTION_MAX_ROWS rows; longer prefill chunks gather and run SDPA), and
+    the head width is one the kernel tiles."""
+    return use_triton(pool_keys) and q_len <= ATTENTION_MAX_ROWS and pool_keys.shape[-1] in ATTENTION_HEAD_DIMS
 
 
 def block_attention(block_mask, lengths: torch.Tensor, span: int, kernel: bool):
