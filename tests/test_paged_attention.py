@@ -190,3 +190,32 @@ def test_paged_view_on_the_kernel_route_gives_the_dense_cache_logits(tmp_path, m
     paged = target(trees.tokens, meta.positions, TreeBits(meta.bits), batch)
     ref = target(trees.tokens, meta.positions, TreeBits(meta.bits), dense)
     torch.testing.assert_close(paged.logits, ref.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_batched_engine_on_the_paged_kernel_route_gives_the_reference_tokens(tmp_path, monkeypatch):
+    """The scheduler's batched steps over the paged pool with attention on the paged kernel
+    (CPU tensors routed to it under the interpreter; the CPU packs its forwards, so the kernel
+    gets each tree's real rows and its padding rows see only themselves) give the tokens of the
+    CPU route: greedy and seeded, budgets 0, 8 and 16 in one batch, pages of 4 tokens."""
+    if DEVICE != "cpu":
+        pytest.skip("routes CPU tensors to the kernel; on CUDA the engine takes the route itself")
+    from ddtree.config import SamplingParams
+    from ddtree.workers import model as model_module
+    from ddtree.workers.drafter import DFlashDrafter
+    from ddtree.workers.loading import load_target_weights
+    from ddtree.workers.requests import Request
+    from ddtree.workers.scheduler import BatchLimits, Scheduler
+
+    from .helpers import make_hf_model
+
+    make_hf_model("qwen3", 97, head_dim=16).save_pretrained(tmp_path)
+    target = load_target_weights(tmp_path, torch.float32)
+    drafter = DFlashDrafter.untrained(target, block_size=4)
+    limits = BatchLimits(max_num_seqs=3, kv_cache_tokens=256, kv_page_tokens=4)
+    requests = [Request([5, 6, 7, 8, 9], 8, budget=16), Request([9, 3], 8, budget=0),
+                Request([1, 2, 3], 8, sampling=SamplingParams(temperature=0.9, top_p=0.9, seed=4), budget=8)]
+    reference = Scheduler.local(target, drafter, 0, limits).generate(requests)
+    monkeypatch.setattr(model_module, "use_triton", lambda t: True)
+    monkeypatch.setattr(batched, "use_triton", lambda t: True)
+    kernel = Scheduler.local(target, drafter, 0, limits).generate(requests)
+    assert [r.tokens for r in kernel] == [r.tokens for r in reference]

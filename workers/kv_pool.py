@@ -155,21 +155,23 @@ class PagedView:
         self.rows = rows  # [B] real block rows per sequence (workers.model.Packing), or None
         dev = lengths.device
         self.pool, self.lengths = pool, lengths
-        self.write_slots = pool.slots(batch.tables, lengths[:, None] + torch.arange(q_len, device=dev)).view(-1)
+        self.table = block_table(batch.tables, dev)  # [B, P] page ids
+        block = lengths[:, None] + torch.arange(q_len, device=dev)  # [B, Q] the block's positions
+        self.write_slots = (self.table.gather(1, block // pool.page) * pool.page + block % pool.page).view(-1)
         self.kernel = uses_paged_kernel(pool.k, q_len)
         self.cpu = not self.kernel and cpu_attention(pool.k, q_len)
         # the CPU kernel attends the real rows of a packed forward as they are (`attend_rows`)
         self.packs = self.cpu and rows is not None
         self._row_slots: torch.Tensor | None = None  # the real rows' write slots, at the first layer
         if self.kernel:
-            self.table = block_table(batch.tables, dev)  # [B, P] page ids
-            self.bits = (block_mask.bits if isinstance(block_mask, TreeBits)
+            self.bits = (block_mask.bits.to(dev) if isinstance(block_mask, TreeBits)
                          else pack_bits(dense_block_mask(block_mask.to(dev), len(batch.tables))))  # [B, Q, W] int32
             return
         self.span = int(lengths.max()) + q_len
         cols = torch.arange(self.span, device=dev)[None, :]
         valid = cols < (lengths[:, None] + q_len)
-        self.read_slots = pool.slots(batch.tables, torch.where(valid, cols, 0)).view(-1)  # [B * span]
+        cols = torch.where(valid, cols, 0)
+        self.read_slots = (self.table.gather(1, cols // pool.page) * pool.page + cols % pool.page).view(-1)  # [B * span]
         if self.cpu:  # in place: key (slot, head 0) sits at slot * Hkv * D
             self.offsets = self.read_slots.view(len(batch.tables), self.span) * (pool.k.shape[2] * pool.k.shape[3])
             self.mask = dense_block_mask(block_mask, len(batch.tables))
