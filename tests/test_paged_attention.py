@@ -155,7 +155,9 @@ def test_paged_view_on_the_kernel_route_gives_the_dense_cache_logits(tmp_path, m
     """The target's forward over a paged pool, attention routed to the paged kernel (as on
     CUDA: here CPU tensors under the interpreter), gives the dense cache's logits: a causal
     prefill block (a bool mask, packed to bits on the device) and then a tree block as TreeBits,
-    over rows of different lengths whose pages were handed out high ids first."""
+    over rows of different lengths whose pages were handed out high ids first. Given the tree
+    sizes (TreeBits.rows), the real rows keep their logits and the padding rows change (they no
+    longer read the context)."""
     if DEVICE != "cpu":
         pytest.skip("routes CPU tensors to the kernel; on CUDA the engine takes the route itself")
     from ddtree.workers import model as model_module
@@ -190,6 +192,11 @@ def test_paged_view_on_the_kernel_route_gives_the_dense_cache_logits(tmp_path, m
     paged = target(trees.tokens, meta.positions, TreeBits(meta.bits), batch)
     ref = target(trees.tokens, meta.positions, TreeBits(meta.bits), dense)
     torch.testing.assert_close(paged.logits, ref.logits, atol=1e-5, rtol=1e-5)
+    # with the tree sizes in the mask, the padding rows (row 1's last two) see only themselves
+    sized = target(trees.tokens, meta.positions, TreeBits(meta.bits, trees.sizes), batch)
+    torch.testing.assert_close(sized.logits[0], ref.logits[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sized.logits[1, :3], ref.logits[1, :3], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(sized.logits[1, 3:], ref.logits[1, 3:], atol=1e-3)
 
 
 def test_batched_engine_on_the_paged_kernel_route_gives_the_reference_tokens(tmp_path, monkeypatch):

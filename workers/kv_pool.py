@@ -12,7 +12,9 @@ and the KVStorage (the tensors: the target's, one per tensor-parallel shard hold
 key-value heads).
 
 Layout: k, v [L, T, Hkv, D] with T = pages x page tokens, token-major, so that one index op
-writes a whole batch's block and one gathers a batch's prefixes.
+writes a whole batch's block; attention reads the pages in place (on CUDA the paged
+tree-attention kernel through the block tables, on the CPU ddtree_cpu.tree_attention by slot
+offsets), and elsewhere one index op gathers a batch's prefixes.
 
 Worked example (page 4): a sequence with pages [5, 2] has positions 0-3 in slots 20-23 and
 positions 4-7 in slots 8-11; its position 6 is slot 2 * 4 + 2 = 10.
@@ -164,8 +166,11 @@ class PagedView:
         self.packs = self.cpu and rows is not None
         self._row_slots: torch.Tensor | None = None  # the real rows' write slots, at the first layer
         if self.kernel:
-            self.bits = (block_mask.bits.to(dev) if isinstance(block_mask, TreeBits)
+            tree = isinstance(block_mask, TreeBits)
+            self.bits = (block_mask.bits.to(dev) if tree
                          else pack_bits(dense_block_mask(block_mask.to(dev), len(batch.tables))))  # [B, Q, W] int32
+            # [B] real rows: a packed forward's, else the tree sizes the mask carries (or None: all real)
+            self.kernel_rows = rows if rows is not None or not tree else block_mask.rows
             return
         self.span = int(lengths.max()) + q_len
         cols = torch.arange(self.span, device=dev)[None, :]
@@ -185,7 +190,8 @@ class PagedView:
         pool_k.index_copy_(0, self.write_slots, k.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(pool_k.dtype))
         pool_v.index_copy_(0, self.write_slots, v.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(pool_v.dtype))
         if self.kernel:
-            return paged_tree_attention(q, pool_k, pool_v, self.table, self.lengths, self.bits, self.pool.page, self.rows)
+            return paged_tree_attention(q, pool_k, pool_v, self.table, self.lengths, self.bits, self.pool.page,
+                                        self.kernel_rows)
         if self.cpu:
             return torch.ops.ddtree_cpu.tree_attention(q, pool_k, pool_v, self.offsets, kv_heads, head_dim, self.lengths,
                                                        self.mask, 1.0 / math.sqrt(head_dim), self.rows)

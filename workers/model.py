@@ -475,16 +475,20 @@ def attend(q, k, v, mask):
 @dataclass
 class TreeBits:
     """The block mask as compact metadata (kernels.batched): bit j of bits[b, i] says whether
-    block row i sees block column j. On CUDA the tree-attention kernel reads it directly."""
+    block row i sees block column j. On CUDA the tree-attention kernels read it directly.
+    With `rows` (each tree's size), the paged kernel lets a padding row see only itself, so a
+    tile of padding rows skips the context; without, padding rows read the context too (their
+    outputs are never read either way)."""
 
     bits: torch.Tensor  # [B, Q, ceil(Q / 32)] int32
+    rows: torch.Tensor | None = None  # [B] int64 real rows per block (the rest padding), or None
 
     def dense(self) -> torch.Tensor:
         """[B, Q, Q] bool, for the reference path."""
         return unpack_bits(self.bits, self.bits.shape[1])
 
     def to(self, device) -> "TreeBits":
-        return TreeBits(self.bits.to(device))
+        return TreeBits(self.bits.to(device), None if self.rows is None else self.rows.to(device))
 
 
 @dataclass
@@ -572,7 +576,8 @@ class DenseView:
 
 def uses_kernel(block_mask, keys: torch.Tensor) -> bool:
     """Whether the Triton tree-attention kernel serves a block: its mask is TreeBits and the
-    keys are on CUDA. The one place the target's attention picks its route."""
+    keys are on CUDA. The one place a dense cache's attention picks its route (a paged pool's:
+    uses_paged_kernel)."""
     return isinstance(block_mask, TreeBits) and use_triton(keys)
 
 
