@@ -226,3 +226,22 @@ def test_batched_engine_on_the_paged_kernel_route_gives_the_reference_tokens(tmp
     monkeypatch.setattr(batched, "use_triton", lambda t: True)
     kernel = Scheduler.local(target, drafter, 0, limits).generate(requests)
     assert [r.tokens for r in kernel] == [r.tokens for r in reference]
+
+
+def test_paged_kernel_in_half_precision_is_the_reference_within_rounding():
+    """A serving dtype: half-precision queries and pool, fp32 softmax and accumulation in the
+    kernel, against the reference in fp32 over the same rounded values; split and unsplit.
+    fp16 under the interpreter (its numpy has no bfloat16: a bf16 tl.dot there gives garbage,
+    for the dense kernel too); bf16 where the kernel runs compiled."""
+    case = CASES["split-q17-d64-gqa8"]
+    x = paged_inputs(case, seed=2)
+    dtype = torch.float16 if DEVICE == "cpu" else torch.bfloat16
+    q, k_pool, v_pool = (t.to(dtype) for t in (x.q, x.k_pool, x.v_pool))
+    want = batched.paged_tree_attention_ref(q.float(), k_pool.float(), v_pool.float(), x.table, x.lengths, x.bits,
+                                            case.page, x.rows)
+    for split_keys in (32, None):
+        got = tk.paged_tree_attention_triton(q.to(DEVICE), k_pool.to(DEVICE), v_pool.to(DEVICE), x.table.to(DEVICE),
+                                             x.lengths.to(DEVICE), x.bits.to(DEVICE), case.page, x.rows.to(DEVICE),
+                                             split_keys=split_keys)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float().cpu(), want, atol=2e-2, rtol=2e-2)
