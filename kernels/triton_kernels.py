@@ -314,7 +314,7 @@ def paged_tree_attention_triton(q, k_pool, v_pool, table: torch.Tensor, lengths:
     assert d in ATTENTION_HEAD_DIMS, f"head_dim {d} is not a supported tile width"
     assert q.stride(3) == k_pool.stride(2) == v_pool.stride(2) == 1 and bits.stride(2) == 1 and table.stride(1) == 1
     group = hq // hkv
-    block_m = min(64, max(16, next_pow2(q_len * group)))
+    block_m = min(64 if d <= 128 else 32, max(16, next_pow2(q_len * group)))  # (row, head) pairs a tile
     tiles = triton.cdiv(q_len * group, block_m)
     max_keys = table.shape[1] * page
     if split_keys is None:
