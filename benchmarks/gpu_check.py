@@ -3,8 +3,8 @@
 1. the kernel parity tests (tests/test_kernels.py) compiled on CUDA, and the published-checkpoint
    fixture (tests/test_published_checkpoints.py: a Qwen3 target with a drafter in z-lab's layout)
    through the engine's device path;
-2. each kernel timed against its torch reference, and tree attention against PyTorch SDPA with
-   a dense mask;
+2. each kernel timed against its torch reference, tree attention against PyTorch SDPA with
+   a dense mask, and the paged tree attention (in place) against gathering the contexts first;
 3. a CUDA-graph captured verify (fixed q_len; tokens, positions and mask bits copied into the
    static buffers before every replay) against the eager path over a multi-round generation
    whose tree size changes every round: the same tokens;
@@ -64,7 +64,7 @@ def parity_tests() -> int:
     section("1. kernel parity and the published-checkpoint fixture, compiled on CUDA")
     env = {**os.environ, "DDTREE_KERNEL_DEVICE": "cuda", "TRITON_INTERPRET": "0"}
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
-                           "tests/test_published_checkpoints.py",
+                           "tests/test_paged_attention.py", "tests/test_published_checkpoints.py",
                            # the OpenAI API layer (FastAPI, not on a bare GPU machine; none of it runs on the GPU)
                            "--deselect", "tests/test_published_checkpoints.py::test_a_request_passes_chat_template_kwargs_as_vllm_does"],
                           cwd=ROOT, env=env, timeout=240)
@@ -104,6 +104,8 @@ def kernel_timings() -> None:
         got = tk.tree_attention_triton(q, k, v, start, meta.bits).float()
         want = sdpa().float()
         print(f"   attention max |diff| vs SDPA (bf16): {float((got - want).abs().max()):.3e}")
+    for b, q_len, context in ((4, 65, 1000), (1, 1, 32000), (16, 17, 4000)):
+        paged_attention_timing(b, q_len, context)
     choices = torch.randint(1000, (4, 65), device=dev)
     rows.append(("greedy walk (4 trees)", cuda_ms(lambda: tk.walk_batch_triton(batch, choices)),
                  cuda_ms(lambda: batched.walk_batch_ref(cpu_batch, choices.cpu()), 5), None))
@@ -122,6 +124,33 @@ def kernel_timings() -> None:
     print("|---|---|---|---|")
     for name, t, ref, sdpa in rows:
         print(f"| {name} | {t:.3f} | {ref:.3f} | {'' if sdpa is None else f'{sdpa:.3f}'} |")
+
+
+def paged_attention_timing(b: int, q_len: int, context: int, page: int = 16, hq: int = 32, hkv: int = 8, d: int = 128) -> None:
+    """The paged tree-attention kernel (in place through shuffled block tables) against what the
+    paged pool ran before it: gather every context into a dense copy, then the dense kernel."""
+    from ddtree.kernels import triton_kernels as tk
+
+    dev = "cuda"
+    pages = -(-(context + q_len) // page)
+    table = torch.randperm(b * pages, device=dev).view(b, pages)
+    k_pool = torch.randn(b * pages * page, hkv, d, device=dev, dtype=torch.bfloat16)
+    v_pool = torch.randn_like(k_pool)
+    q = torch.randn(b, hq, q_len, d, device=dev, dtype=torch.bfloat16)
+    lengths = torch.full((b,), context, device=dev)
+    bits = torch.full((b, q_len, -(-q_len // 32)), -1, dtype=torch.int32, device=dev)  # every block column seen
+    span = torch.arange(context + q_len, device=dev)
+    slots = (table[:, span // page] * page + span % page).view(-1)
+
+    def gathered():
+        keys = k_pool.index_select(0, slots).view(b, -1, hkv, d).transpose(1, 2)
+        values = v_pool.index_select(0, slots).view(b, -1, hkv, d).transpose(1, 2)
+        return tk.tree_attention_triton(q, keys, values, lengths, bits)
+
+    kernel = cuda_ms(lambda: tk.paged_tree_attention_triton(q, k_pool, v_pool, table, lengths, bits, page))
+    diff = (tk.paged_tree_attention_triton(q, k_pool, v_pool, table, lengths, bits, page).float() - gathered().float()).abs().max()
+    print(f"   paged tree attention B {b} Q {q_len} context {context} (Hq {hq} Hkv {hkv} D {d}, page {page}): "
+          f"{kernel:.3f} ms in place, {cuda_ms(gathered):.3f} ms gathered + dense kernel; max |diff| {float(diff):.3e}")
 
 
 class GraphedVerify:

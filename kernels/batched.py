@@ -52,7 +52,7 @@ def tree_metadata_ref(batch: TreeBatch, start: torch.Tensor) -> TreeMeta:
                     pack_bits(dense).to(batch.parents.device))
 
 
-# --- 2. tree attention ---------------------------------------------------------------------------
+# --- 2. tree attention: over a dense cache, and over a paged pool in place ------------------------
 
 
 def tree_attention(q, k, v, prefix: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -75,6 +75,44 @@ def tree_attention_ref(q, k, v, prefix: torch.Tensor, bits: torch.Tensor) -> tor
         mask[row, :, :at] = True
         mask[row, :, at : at + q_len] = block[row]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=q.shape[1] != k.shape[1])
+
+
+def paged_tree_attention(q, k_pool, v_pool, table: torch.Tensor, lengths: torch.Tensor, bits: torch.Tensor,
+                         page: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    if use_triton(q) and q.shape[-1] in ATTENTION_HEAD_DIMS:
+        from .triton_kernels import paged_tree_attention_triton
+
+        return paged_tree_attention_triton(q, k_pool, v_pool, table, lengths, bits, page, rows)
+    return paged_tree_attention_ref(q, k_pool, v_pool, table, lengths, bits, page, rows)
+
+
+def paged_tree_attention_ref(q, k_pool, v_pool, table: torch.Tensor, lengths: torch.Tensor, bits: torch.Tensor,
+                             page: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hq, Q, D]; k_pool, v_pool [T, Hkv, D] (one layer of a paged pool, workers.kv_pool:
+    position p of sequence b in slot table[b, p // page] * page + p % page; its committed
+    context is positions [0, lengths[b]), its tree block's keys positions lengths[b] + j);
+    table [B, P]; bits [B, Q, W]; rows [B] real rows per block or None (all real).
+    A real row sees the whole context and block position lengths[b] + j when bit j of its row is
+    set; a padding row (i >= rows[b]) sees only its own position, so it is exactly v's own row.
+
+    Example (page 2, Q 2): table [[3, 0]], lengths [1], bits [[0b01], [0b11]] -> row 0 sees
+    positions 0 and 1 (slots 6, 7), row 1 positions 0, 1 and 2 (slots 6, 7, 0)."""
+    b, _, q_len, _ = q.shape
+    block = unpack_bits(bits, q_len).cpu()
+    rows = torch.full((b,), q_len) if rows is None else rows.cpu()
+    out = torch.empty_like(q)
+    for seq, (n, real) in enumerate(zip(lengths.tolist(), rows.tolist())):
+        positions = torch.arange(n + q_len)
+        slots = (table[seq].cpu().long()[positions // page] * page + positions % page).to(k_pool.device)
+        keys, values = k_pool[slots].transpose(0, 1)[None], v_pool[slots].transpose(0, 1)[None]  # [1, Hkv, n + Q, D]
+        mask = torch.zeros(q_len, n + q_len, dtype=torch.bool)
+        mask[:real, :n] = True
+        mask[:real, n:] = block[seq, :real]
+        mask[real:, n:] = torch.eye(q_len, dtype=torch.bool)[real:]
+        out[seq] = F.scaled_dot_product_attention(q[seq : seq + 1], keys.to(q.dtype), values.to(q.dtype),
+                                                  attn_mask=mask.to(q.device)[None, None],
+                                                  enable_gqa=q.shape[1] != k_pool.shape[1])[0]
+    return out
 
 
 # --- 3 and 4. walks -------------------------------------------------------------------------------

@@ -62,11 +62,12 @@ def words(q_len: int) -> int:
 
 
 def pack_bits(dense: torch.Tensor) -> torch.Tensor:
-    """[..., Q] bool -> [..., ceil(Q/32)] int32 words, bit j % 32 of word j // 32."""
+    """[..., Q] bool -> [..., ceil(Q/32)] int32 words, bit j % 32 of word j // 32, on dense's
+    device (torch ops only: packing a CUDA mask reads nothing back to the host)."""
     q_len = dense.shape[-1]
-    padded = torch.zeros(*dense.shape[:-1], words(q_len) * 32, dtype=torch.int64)
-    padded[..., :q_len] = dense.cpu().long()
-    weights = 2 ** torch.arange(32, dtype=torch.int64)
+    padded = torch.zeros(*dense.shape[:-1], words(q_len) * 32, dtype=torch.int64, device=dense.device)
+    padded[..., :q_len] = dense.long()
+    weights = 2 ** torch.arange(32, dtype=torch.int64, device=dense.device)
     packed = (padded.view(*dense.shape[:-1], -1, 32) * weights).sum(-1)
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 

@@ -155,6 +155,205 @@ def tree_attention_triton(q, k, v, prefix: torch.Tensor, bits: torch.Tensor, blo
     return out
 
 
+# --- 2b. tree attention over a paged KV pool, in place -------------------------------------------
+
+
+@triton.jit
+def _paged_tree_attention_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lengths_ptr, bits_ptr, rows_ptr, o_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_qq,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_tb, stride_bb, stride_bq,
+    stride_ob, stride_oh, stride_oq, stride_os,
+    stride_lb, stride_lh, stride_lq,
+    Q, HKV, SPLIT_KEYS, scale,
+    PAGE: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_ROWS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+):
+    """One program per (tile of BLOCK_M query rows x heads, sequence b x key-value head, split
+    of the keys). The tile flattens (tree row i, head g of the group) as m = i * GROUP + g, so
+    each key/value tile is loaded once for the GROUP query heads that share it. Keys are the
+    sequence's positions [split * SPLIT_KEYS, + SPLIT_KEYS) within [0, length + Q), read from
+    slot table[b, p // PAGE] * PAGE + p % PAGE of the pool. A real row sees every position below
+    the length and block position length + j when bit j of its row is set; a padding row
+    (i >= rows[b]) sees only its own position. Without SPLIT the tile's normalized output is the
+    result; with it, the output and log-sum-exp of this split go to the partials."""
+    pid_m = tl.program_id(0)
+    bk = tl.program_id(1)
+    split = tl.program_id(2)
+    b = bk // HKV
+    kvh = bk % HKV
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    row = offs_m // GROUP
+    head = kvh * GROUP + offs_m % GROUP
+    in_q = row < Q
+    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + row[:, None] * stride_qq + offs_d[None, :],
+                mask=in_q[:, None], other=0.0)
+    length = tl.load(lengths_ptr + b).to(tl.int32)
+    if HAS_ROWS:
+        real = tl.load(rows_ptr + b).to(tl.int32)
+    else:
+        real = Q
+    is_real = row < real
+    end = length + Q
+    lo = split * SPLIT_KEYS
+    hi = tl.minimum(lo + SPLIT_KEYS, end)
+    lo = tl.where(pid_m * BLOCK_M // GROUP < real, lo, tl.maximum(lo, length))  # a tile of padding rows skips the context
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_vh
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        keys = offs_n < hi
+        page_id = tl.load(table_ptr + b * stride_tb + offs_n // PAGE, mask=keys, other=0).to(tl.int64)
+        slot = page_id * PAGE + offs_n % PAGE
+        k = tl.load(k_base + slot[None, :] * stride_kt + offs_d[:, None], mask=keys[None, :], other=0.0)
+        if IEEE:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s.to(tl.float32) * scale
+        col = offs_n - length
+        in_block = keys & (col >= 0)
+        col = tl.where(in_block, col, 0)
+        word = tl.load(bits_ptr + b * stride_bb + row[:, None] * stride_bq + (col // 32)[None, :],
+                       mask=in_q[:, None] & in_block[None, :], other=0)
+        bit = ((word >> (col % 32)[None, :]) & 1) != 0
+        sees_block = tl.where(is_real[:, None], bit, col[None, :] == row[:, None])
+        visible = (is_real[:, None] & (keys & (offs_n < length))[None, :]) | (in_block[None, :] & sees_block)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + slot[:, None] * stride_vt + offs_d[None, :], mask=keys[:, None], other=0.0)
+        if IEEE:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    o_rows = o_ptr + b * stride_ob + head[:, None] * stride_oh + row[:, None] * stride_oq + split * stride_os
+    tl.store(o_rows + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=in_q[:, None])
+    if SPLIT:
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(tl.where(l_i == 0.0, 1.0, l_i)))
+        tl.store(lse_ptr + b * stride_lb + head * stride_lh + row * stride_lq + split, lse, mask=in_q)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_ptr, lse_ptr, o_ptr,
+    stride_pb, stride_ph, stride_pq, stride_ps,
+    stride_lb, stride_lh, stride_lq,
+    stride_ob, stride_oh, stride_oq,
+    Q, HQ, SPLITS,
+    D: tl.constexpr, BLOCK_Q: tl.constexpr,
+):
+    """One program per (block of BLOCK_Q rows, sequence b x query head h): the splits' outputs
+    weighed by exp(lse_s - max lse), in split order (an empty split weighs exactly 0)."""
+    pid_q = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HQ
+    h = bh % HQ
+    offs_q = pid_q * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    offs_d = tl.arange(0, D)
+    rows = offs_q < Q
+    m = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_Q], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q, D], dtype=tl.float32)
+    for s in range(SPLITS):
+        lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_q * stride_lq + s, mask=rows, other=float("-inf"))
+        part = tl.load(part_ptr + b * stride_pb + h * stride_ph + offs_q[:, None] * stride_pq + s * stride_ps
+                       + offs_d[None, :], mask=rows[:, None], other=0.0)
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        w = tl.exp(lse - m_safe)
+        acc = acc * alpha[:, None] + w[:, None] * part
+        total = total * alpha + w
+        m = m_new
+    out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_q[:, None] * stride_oq + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=rows[:, None])
+
+
+PAGED_SPLIT_MIN_KEYS = 256  # a split covers at least this many keys (fewer leave its program mostly launch cost)
+PAGED_TARGET_PROGRAMS = 264  # splits are added until a call has about this many programs (2 per SM of an H100)
+
+
+def paged_split_keys(max_keys: int, programs: int, block_n: int) -> int:
+    """Keys per split for a call of `programs` (row tile x sequence x key-value head) programs
+    whose sequences hold at most `max_keys` positions (the block tables' width x page: host
+    shapes, not the lengths): one split when the call already fills the GPU or the keys are
+    few, else enough splits of >= PAGED_SPLIT_MIN_KEYS keys to approach PAGED_TARGET_PROGRAMS.
+    A multiple of block_n. Example: 4096 keys, 8 programs, block_n 32 -> 16 splits of 256."""
+    splits = max(1, min(max_keys // PAGED_SPLIT_MIN_KEYS, PAGED_TARGET_PROGRAMS // max(programs, 1)))
+    return triton.cdiv(triton.cdiv(max_keys, splits), block_n) * block_n
+
+
+def paged_tree_attention_triton(q, k_pool, v_pool, table: torch.Tensor, lengths: torch.Tensor, bits: torch.Tensor,
+                                page: int, rows: torch.Tensor | None = None, split_keys: int | None = None,
+                                block_n: int = 32):
+    """q [B, Hq, Q, D]; k_pool, v_pool [T, Hkv, D] (one layer of the pool, the block's keys
+    already written at positions lengths[b] + j); table [B, P] page ids covering positions
+    [0, lengths[b] + Q); lengths [B]; bits [B, Q, W] int32; rows [B] real rows per block (the
+    rest padding) or None (every row real) -> [B, Hq, Q, D]. Reads nothing back to the host:
+    the grid follows the shapes alone. `split_keys` (a multiple of block_n) fixes the keys per
+    split; by default paged_split_keys picks it."""
+    b, hq, q_len, d = q.shape
+    t, hkv = k_pool.shape[:2]
+    assert k_pool.shape == (t, hkv, d) and v_pool.shape == k_pool.shape and hq % hkv == 0
+    assert table.dim() == 2 and table.shape[0] == b and lengths.shape == (b,)
+    assert bits.shape == (b, q_len, words(q_len)) and bits.dtype == torch.int32
+    assert rows is None or rows.shape == (b,)
+    assert d in ATTENTION_HEAD_DIMS, f"head_dim {d} is not a supported tile width"
+    assert q.stride(3) == k_pool.stride(2) == v_pool.stride(2) == 1 and bits.stride(2) == 1 and table.stride(1) == 1
+    group = hq // hkv
+    block_m = min(64 if d <= 128 else 32, max(16, next_pow2(q_len * group)))  # (row, head) pairs a tile
+    tiles = triton.cdiv(q_len * group, block_m)
+    max_keys = table.shape[1] * page
+    if split_keys is None:
+        split_keys = paged_split_keys(max_keys, tiles * b * hkv, block_n)
+    assert split_keys % block_n == 0 and split_keys > 0
+    splits = max(1, triton.cdiv(max_keys, split_keys))
+    out = torch.empty_like(q)
+    lengths = lengths.contiguous()
+    rows_arg = lengths if rows is None else rows.to(lengths.device).contiguous()
+    if splits == 1:
+        part, lse = out, out  # written directly; no log-sum-exp
+        part_strides = (*out.stride()[:3], 0)
+        lse_strides = (0, 0, 0)
+    else:
+        part = torch.empty(b, hq, q_len, splits, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(b, hq, q_len, splits, dtype=torch.float32, device=q.device)
+        part_strides = part.stride()[:4]
+        lse_strides = lse.stride()[:3]
+    _paged_tree_attention_kernel[(tiles, b * hkv, splits)](
+        q, k_pool, v_pool, table, lengths, bits, rows_arg, part, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_pool.stride(0), k_pool.stride(1), v_pool.stride(0), v_pool.stride(1),
+        table.stride(0), bits.stride(0), bits.stride(1),
+        *part_strides, *lse_strides,
+        q_len, hkv, split_keys, 1.0 / math.sqrt(d),
+        PAGE=page, GROUP=group, D=d, BLOCK_M=block_m, BLOCK_N=block_n,
+        HAS_ROWS=rows is not None, SPLIT=splits > 1, IEEE=q.dtype == torch.float32,
+    )
+    if splits > 1:
+        block_q = min(64, next_pow2(q_len))
+        _combine_splits_kernel[(triton.cdiv(q_len, block_q), b * hq)](
+            part, lse, out,
+            *part.stride()[:4], *lse.stride()[:3], *out.stride()[:3],
+            q_len, hq, splits,
+            D=d, BLOCK_Q=block_q,
+        )
+    return out
+
+
 # --- 3. the walk over a batch of trees ------------------------------------------------------------
 
 

@@ -12,7 +12,9 @@ and the KVStorage (the tensors: the target's, one per tensor-parallel shard hold
 key-value heads).
 
 Layout: k, v [L, T, Hkv, D] with T = pages x page tokens, token-major, so that one index op
-writes a whole batch's block and one gathers a batch's prefixes.
+writes a whole batch's block; attention reads the pages in place (on CUDA the paged
+tree-attention kernel through the block tables, on the CPU ddtree_cpu.tree_attention by slot
+offsets), and elsewhere one index op gathers a batch's prefixes.
 
 Worked example (page 4): a sequence with pages [5, 2] has positions 0-3 in slots 20-23 and
 positions 4-7 in slots 8-11; its position 6 is slot 2 * 4 + 2 = 10.
@@ -26,21 +28,29 @@ from dataclasses import dataclass
 
 import torch
 
-from .model import ModelConfig, block_attention, cpu_attention, dense_block_mask, uses_kernel
+from ..kernels.batched import paged_tree_attention
+from ..kernels.tree_batch import pack_bits
+from .model import (ModelConfig, TreeBits, block_attention, cpu_attention, dense_block_mask, uses_kernel,
+                    uses_paged_kernel)
 
 
 class PoolFull(RuntimeError):
     """The pool has fewer free pages than asked for."""
 
 
-def page_slots(tables: list[list[int]], positions: torch.Tensor, page: int) -> torch.Tensor:
-    """positions [B, N] (each within its row's pages `tables[b]`) -> pool slots [B, N]."""
+def block_table(tables: list[list[int]], device=None) -> torch.Tensor:
+    """The block tables as one [B, P] int64 tensor on `device` (P = the most pages a row holds,
+    at least 1; a shorter row's tail is page 0, never read)."""
     width = max(len(t) for t in tables)
     table = torch.zeros(len(tables), max(width, 1), dtype=torch.int64)
     for row, pages in enumerate(tables):
         table[row, : len(pages)] = torch.tensor(pages, dtype=torch.int64)
-    table = table.to(positions.device)
-    return table.gather(1, positions // page) * page + positions % page
+    return table.to(device)
+
+
+def page_slots(tables: list[list[int]], positions: torch.Tensor, page: int) -> torch.Tensor:
+    """positions [B, N] (each within its row's pages `tables[b]`) -> pool slots [B, N]."""
+    return block_table(tables, positions.device).gather(1, positions // page) * page + positions % page
 
 
 class PageAllocator:
@@ -143,25 +153,41 @@ class PagedBatch:
 
 class PagedView:
     """A PagedBatch bound to one forward. The block's keys and values go to the pool at
-    positions lengths[b] ... + Q - 1; each row then reads positions [0, span) back from the pool
-    (span = the longest row's lengths + Q; a shorter row's tail is masked), the same layout as a
-    dense cache row, so the same attention runs: a [B, 1, Q, span] mask (kernels'
-    `slot_mask`), or on CUDA the tree-attention kernel over TreeBits."""
+    positions lengths[b] ... + Q - 1; then each row attends over its context and block, by one
+    of three routes:
+    - on CUDA (blocks of up to ATTENTION_MAX_ROWS rows, head widths the kernel tiles), the
+      paged tree-attention kernel reads the pool in place through the block tables, with the
+      lengths and the mask bits on the device: no gathered copy, nothing read back to the host;
+    - on the CPU in fp32, ddtree_cpu.tree_attention reads the pool in place by slot offsets;
+    - otherwise each row reads positions [0, span) back from the pool (span = the longest row's
+      lengths + Q; a shorter row's tail is masked), the layout of a dense cache row, and the
+      dense attention runs over it under a [B, 1, Q, span] mask (kernels' `slot_mask`)."""
 
     def __init__(self, batch: PagedBatch, block_mask, q_len: int, rows: torch.Tensor | None = None):
         pool, lengths = batch.pool, batch.lengths
         self.rows = rows  # [B] real block rows per sequence (workers.model.Packing), or None
         dev = lengths.device
         self.pool, self.lengths = pool, lengths
-        self.span = int(lengths.max()) + q_len
-        self.write_slots = pool.slots(batch.tables, lengths[:, None] + torch.arange(q_len, device=dev)).view(-1)
-        cols = torch.arange(self.span, device=dev)[None, :]
-        valid = cols < (lengths[:, None] + q_len)
-        self.read_slots = pool.slots(batch.tables, torch.where(valid, cols, 0)).view(-1)  # [B * span]
-        self.cpu = cpu_attention(pool.k, q_len)
+        self.table = block_table(batch.tables, dev)  # [B, P] page ids
+        block = lengths[:, None] + torch.arange(q_len, device=dev)  # [B, Q] the block's positions
+        self.write_slots = (self.table.gather(1, block // pool.page) * pool.page + block % pool.page).view(-1)
+        self.kernel = uses_paged_kernel(pool.k, q_len)
+        self.cpu = not self.kernel and cpu_attention(pool.k, q_len)
         # the CPU kernel attends the real rows of a packed forward as they are (`attend_rows`)
         self.packs = self.cpu and rows is not None
         self._row_slots: torch.Tensor | None = None  # the real rows' write slots, at the first layer
+        if self.kernel:
+            tree = isinstance(block_mask, TreeBits)
+            self.bits = (block_mask.bits.to(dev) if tree
+                         else pack_bits(dense_block_mask(block_mask.to(dev), len(batch.tables))))  # [B, Q, W] int32
+            # [B] real rows: a packed forward's, else the tree sizes the mask carries (or None: all real)
+            self.kernel_rows = rows if rows is not None or not tree else block_mask.rows
+            return
+        self.span = int(lengths.max()) + q_len
+        cols = torch.arange(self.span, device=dev)[None, :]
+        valid = cols < (lengths[:, None] + q_len)
+        cols = torch.where(valid, cols, 0)
+        self.read_slots = (self.table.gather(1, cols // pool.page) * pool.page + cols % pool.page).view(-1)  # [B * span]
         if self.cpu:  # in place: key (slot, head 0) sits at slot * Hkv * D
             self.offsets = self.read_slots.view(len(batch.tables), self.span) * (pool.k.shape[2] * pool.k.shape[3])
             self.mask = dense_block_mask(block_mask, len(batch.tables))
@@ -174,6 +200,9 @@ class PagedView:
         pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
         pool_k.index_copy_(0, self.write_slots, k.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(pool_k.dtype))
         pool_v.index_copy_(0, self.write_slots, v.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(pool_v.dtype))
+        if self.kernel:
+            return paged_tree_attention(q, pool_k, pool_v, self.table, self.lengths, self.bits, self.pool.page,
+                                        self.kernel_rows)
         if self.cpu:
             return torch.ops.ddtree_cpu.tree_attention(q, pool_k, pool_v, self.offsets, kv_heads, head_dim, self.lengths,
                                                        self.mask, 1.0 / math.sqrt(head_dim), self.rows)

@@ -23,7 +23,7 @@ from ..config import GREEDY
 from ..kernels.batched import sampled_choices, tree_attention
 from ..kernels.sampling import RowSampling, choose_tokens, is_greedy, processed_probs_rows
 from ..kernels.tree_batch import unpack_bits
-from ..kernels.triton_support import use_triton
+from ..kernels.triton_support import ATTENTION_HEAD_DIMS, use_triton
 from . import cpu_gemm
 
 FAMILIES = ("llama", "qwen3")
@@ -475,16 +475,20 @@ def attend(q, k, v, mask):
 @dataclass
 class TreeBits:
     """The block mask as compact metadata (kernels.batched): bit j of bits[b, i] says whether
-    block row i sees block column j. On CUDA the tree-attention kernel reads it directly."""
+    block row i sees block column j. On CUDA the tree-attention kernels read it directly.
+    With `rows` (each tree's size), the paged kernel lets a padding row see only itself, so a
+    tile of padding rows skips the context; without, padding rows read the context too (their
+    outputs are never read either way)."""
 
     bits: torch.Tensor  # [B, Q, ceil(Q / 32)] int32
+    rows: torch.Tensor | None = None  # [B] int64 real rows per block (the rest padding), or None
 
     def dense(self) -> torch.Tensor:
         """[B, Q, Q] bool, for the reference path."""
         return unpack_bits(self.bits, self.bits.shape[1])
 
     def to(self, device) -> "TreeBits":
-        return TreeBits(self.bits.to(device))
+        return TreeBits(self.bits.to(device), None if self.rows is None else self.rows.to(device))
 
 
 @dataclass
@@ -572,8 +576,17 @@ class DenseView:
 
 def uses_kernel(block_mask, keys: torch.Tensor) -> bool:
     """Whether the Triton tree-attention kernel serves a block: its mask is TreeBits and the
-    keys are on CUDA. The one place the target's attention picks its route."""
+    keys are on CUDA. The one place a dense cache's attention picks its route (a paged pool's:
+    uses_paged_kernel)."""
     return isinstance(block_mask, TreeBits) and use_triton(keys)
+
+
+def uses_paged_kernel(pool_keys: torch.Tensor, q_len: int) -> bool:
+    """Whether a paged pool's block attends through the paged tree-attention kernel (reading
+    the pool in place through the block tables): the pool is on CUDA, the block is a decode or
+    verify step (<= ATTENTION_MAX_ROWS rows; longer prefill chunks gather and run SDPA), and
+    the head width is one the kernel tiles."""
+    return use_triton(pool_keys) and q_len <= ATTENTION_MAX_ROWS and pool_keys.shape[-1] in ATTENTION_HEAD_DIMS
 
 
 def block_attention(block_mask, lengths: torch.Tensor, span: int, kernel: bool):
