@@ -550,7 +550,7 @@ class Scheduler:
         capture = self.record_features or (
             tuple(self.drafter.target_layer_ids) if any(s.budget != 0 for s in seqs) else ())
         out = self.target.forward(TargetBatch(
-            tokens=batch.tokens, positions=meta.positions, mask=TreeBits(meta.bits),
+            tokens=batch.tokens, positions=meta.positions, mask=TreeBits(meta.bits, batch.sizes),
             tables=[s.pages for s in seqs], lengths=[s.length for s in seqs], capture=capture, logits_to_keep=0,
             sampling=[s.request.sampling for s in seqs], seeds=[s.seed for s in seqs],
             draw_positions=meta.positions + 1,  # each node's choice is the token after it
