@@ -28,6 +28,8 @@ NOT_RUN_HERE = {
     "make test": "the whole suite, of which this test is a part",
     "curl": "needs a running server; tests/test_serve.py sends the same request with the openai client",
     ".venv/bin/ddtree bench": "minutes of SmolLM2 decoding (the figures in RESULTS.md); parsed below, not run",
+    "ray start": "starts a Ray cluster until stopped; tests/test_deploy.py starts one the same way",
+    "RAY_AUTH_MODE=token serve": "needs that cluster; tests/test_deploy.py deploys and reads status the same way",
     ".venv/bin/ddtree audit": "minutes of SmolLM2 decoding; tests/test_audit.py runs the same command on a tiny pair",
 }
 RUN_HERE = {".venv/bin/ddtree generate"}
