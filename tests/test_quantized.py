@@ -32,10 +32,11 @@ VOCAB, HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, LAYERS = 97, 64, 96, 2, 1, 2
 TYPES = {"attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_1",
          "ffn_gate": "Q4_0", "ffn_up": "Q4_0", "ffn_down": "Q8_0", "token_embd": "Q8_0"}
 # As llama.cpp's Q4_K_M mixes them: Q4_K for most matrices, Q6_K for v / down / the embedding,
-# Q5_K beside them; every input size here a multiple of 256
+# Q5_K beside them, and the 32-weight types it falls back to where an input size is no multiple
+# of 256 (Q5_0 for Q4_K: gate and up of different types run unfused)
 K_HIDDEN, K_INTERMEDIATE = 256, 512
 K_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
-           "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
+           "ffn_gate": "Q4_K", "ffn_up": "Q5_0", "ffn_down": "Q6_K", "token_embd": "Q6_K"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -219,7 +220,7 @@ def test_native_model_keeps_blocks_and_matches_the_dequantized_one(tiny_pair):
     kinds = {type(m).__name__ for m in native.modules()}
     assert {"QuantizedLinear", "QuantizedEmbedding"} <= kinds and "Linear" not in kinds
     block_types = {m.kind for m in native.modules() if isinstance(m, QuantizedLinear)}
-    assert block_types in ({"Q4_0", "Q4_1", "Q8_0"}, {"Q4_K", "Q5_K", "Q6_K"})  # every type of the file, kept
+    assert block_types in ({"Q4_0", "Q4_1", "Q8_0"}, {"Q4_K", "Q5_K", "Q6_K", "Q5_0"})  # every type of the file, kept
     prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(5)).tolist()
     for rows in (prompt[:1], prompt[:9], prompt):
         torch.testing.assert_close(logits_of(native, rows), logits_of(dense, rows), rtol=1e-4, atol=1e-4)

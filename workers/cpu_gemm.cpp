@@ -1,6 +1,6 @@
 // ddtree's CPU GEMMs, y = x W^T with fp32 activations and outputs, for the few rows of decoding
 // and tree verification (and any M):
-//   blocks_mm  W kept as GGUF blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K): weights="native"
+//   blocks_mm  W kept as GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): weights="native"
 //   float_mm   W float32 as nn.Linear holds it [N, K]: every fp32 linear on the CPU
 //
 // The order of every output's sum is fixed, whatever M, the tile a row lands in and the thread
@@ -89,6 +89,13 @@ struct Q4_1 {
 struct Q8_0 {
   static constexpr int64_t BYTES = 34, VALUES = 32;  // fp16 d, 32 int8 codes: w = d q
 };
+// 5-bit codes: the 4-bit codes' bytes as in Q4_0, and bit l of a 32-bit qh the fifth bit of code l
+struct Q5_0 {
+  static constexpr int64_t BYTES = 22, VALUES = 32;  // fp16 d, qh, 16 bytes: w = d (q - 16)
+};
+struct Q5_1 {
+  static constexpr int64_t BYTES = 24, VALUES = 32;  // fp16 d, fp16 m, qh, 16 bytes: w = d q + m
+};
 // K-quants: super-blocks of 256 weights, 8 groups of 32 (ggml's block_q4_K, block_q5_K, block_q6_K)
 //   Q4_K  fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc[8] and minima m[8] (scale_min_k4), 128
 //         bytes of 4-bit codes: group j reads the low (j even) or high (j odd) nibbles of bytes
@@ -125,7 +132,16 @@ inline void scale_min_k4(const uint8_t* s, int j, float& sc, float& m) {
   }
 }
 
-// A K-quant group: w[i] = scale[i / 16] * code[i] + offset[i / 16] (an exact product, one rounding)
+// A group of Q5_0, Q5_1 or a K-quant: w[i] = scale[i / 16] * code[i] + offset[i / 16] (an exact
+// product, one rounding; the codes from group_codes)
+inline void group_affine(Q5_0, const uint8_t* b, int, float scale[2], float offset[2]) {
+  scale[0] = scale[1] = half_at(b);
+  offset[0] = offset[1] = -16.0f * scale[0];  // d (q - 16) = d q - 16 d, both exact
+}
+inline void group_affine(Q5_1, const uint8_t* b, int, float scale[2], float offset[2]) {
+  scale[0] = scale[1] = half_at(b);
+  offset[0] = offset[1] = half_at(b + 2);
+}
 inline void group_affine(Q4_K, const uint8_t* b, int j, float scale[2], float offset[2]) {
   float sc, m;
   scale_min_k4(b + 4, j, sc, m);
@@ -176,8 +192,27 @@ inline void decode(Q8_0, const uint8_t* b, __m256 w[4]) {
   }
 }
 
-// A K-quant group's 32 codes as bytes: c[0] codes 0-15, c[1] codes 16-31.
+// A group's 32 codes (Q5_0, Q5_1, the K-quants) as bytes: c[0] codes 0-15, c[1] codes 16-31.
 inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+// 16 bytes of 4-bit codes and their 32 fifth bits qh -> 5-bit codes 0-15, 16-31
+inline void five_bit_codes(const uint8_t* qh, const uint8_t* qs, __m128i c[2]) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, sizeof(bits));
+  const __m128i h = _mm_set1_epi32(static_cast<int>(bits)), mask = _mm_set1_epi8(0x0F), sixteen = _mm_set1_epi8(16);
+  const __m128i which = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+  const __m128i bytes = load16(qs);
+  const __m128i low[2] = {_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask)};
+  const __m128i pick = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  for (int half = 0; half < 2; ++half) {  // code 16 half + l: bit l % 8 of qh's byte 2 half + l / 8
+    const __m128i picked = _mm_shuffle_epi8(half ? _mm_srli_epi32(h, 16) : h, pick);
+    const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(picked, which), which);
+    c[half] = _mm_or_si128(low[half], _mm_and_si128(set, sixteen));
+  }
+}
+
+inline void group_codes(Q5_0, const uint8_t* b, int, __m128i c[2]) { five_bit_codes(b + 2, b + 6, c); }
+inline void group_codes(Q5_1, const uint8_t* b, int, __m128i c[2]) { five_bit_codes(b + 4, b + 8, c); }
 
 inline void group_codes(Q4_K, const uint8_t* b, int j, __m128i c[2]) {
   const uint8_t* q = b + 16 + 32 * (j / 2);
@@ -207,7 +242,7 @@ inline void group_codes(Q6_K, const uint8_t* b, int j, __m128i c[2]) {
   }
 }
 
-// Group j of a K-quant super-block as four vectors of eight.
+// Group j of a K-quant super-block (a Q5_0 / Q5_1 block: j = 0) as four vectors of eight.
 template <typename Block>
 inline void decode(Block, const uint8_t* b, int j, __m256 w[4]) {
   __m128i c[2];
@@ -220,6 +255,9 @@ inline void decode(Block, const uint8_t* b, int j, __m256 w[4]) {
     w[i] = _mm256_fmadd_ps(_mm256_set1_ps(scale[i / 2]), q, _mm256_set1_ps(offset[i / 2]));
   }
 }
+
+inline void decode(Q5_0, const uint8_t* b, __m256 w[4]) { decode(Q5_0{}, b, 0, w); }
+inline void decode(Q5_1, const uint8_t* b, __m256 w[4]) { decode(Q5_1{}, b, 0, w); }
 
 inline float sum_lanes(__m256 v) {  // ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -264,7 +302,7 @@ inline void decode(Q8_0, const uint8_t* b, __m512 w[2]) {
   }
 }
 
-// Group j of a K-quant super-block as two vectors of sixteen.
+// Group j of a K-quant super-block (a Q5_0 / Q5_1 block: j = 0) as two vectors of sixteen.
 template <typename Block>
 inline void decode(Block, const uint8_t* b, int j, __m512 w[2]) {
   __m128i c[2];
@@ -275,6 +313,9 @@ inline void decode(Block, const uint8_t* b, int j, __m512 w[2]) {
     w[i] = _mm512_fmadd_ps(_mm512_set1_ps(scale[i]), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c[i])),
                            _mm512_set1_ps(offset[i]));
 }
+
+inline void decode(Q5_0, const uint8_t* b, __m512 w[2]) { decode(Q5_0{}, b, 0, w); }
+inline void decode(Q5_1, const uint8_t* b, __m512 w[2]) { decode(Q5_1{}, b, 0, w); }
 
 // The vectors the GEMMs' loops below are written in: VLANES floats.
 using Vec = __m512;
@@ -402,7 +443,15 @@ inline void decode(Q8_0, const uint8_t* b, float* w) {
   for (int j = 0; j < 32; ++j) w[j] = d * static_cast<float>(q[j]);
 }
 
-// A K-quant group's 32 codes as bytes.
+// A group's 32 codes as bytes.
+inline void five_bit_codes(const uint8_t* qh, const uint8_t* qs, uint8_t c[32]) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, sizeof(bits));
+  for (int l = 0; l < 32; ++l) c[l] = ((l < 16 ? qs[l] : qs[l - 16] >> 4) & 0x0F) | (((bits >> l) & 1) << 4);
+}
+inline void group_codes(Q5_0, const uint8_t* b, int, uint8_t c[32]) { five_bit_codes(b + 2, b + 6, c); }
+inline void group_codes(Q5_1, const uint8_t* b, int, uint8_t c[32]) { five_bit_codes(b + 4, b + 8, c); }
+
 inline void group_codes(Q4_K, const uint8_t* b, int j, uint8_t c[32]) {
   const uint8_t* q = b + 16 + 32 * (j / 2);
   for (int l = 0; l < 32; ++l) c[l] = (q[l] >> (4 * (j & 1))) & 0x0F;
@@ -428,6 +477,9 @@ inline void decode(Block, const uint8_t* b, int j, float* w) {
   group_affine(Block{}, b, j, scale, offset);
   for (int l = 0; l < 32; ++l) w[l] = scale[l / 16] * static_cast<float>(c[l]) + offset[l / 16];  // an exact product
 }
+
+inline void decode(Q5_0, const uint8_t* b, float* w) { decode(Q5_0{}, b, 0, w); }
+inline void decode(Q5_1, const uint8_t* b, float* w) { decode(Q5_1{}, b, 0, w); }
 
 template <typename Block>
 inline void decode_block(Block, const uint8_t* row, int64_t g, float* w) {
@@ -551,6 +603,8 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& blocks, const std::s
   };
   dispatch(Q4_0{}, "Q4_0");
   dispatch(Q4_1{}, "Q4_1");
+  dispatch(Q5_0{}, "Q5_0");
+  dispatch(Q5_1{}, "Q5_1");
   dispatch(Q8_0{}, "Q8_0");
   dispatch(Q4_K{}, "Q4_K");
   dispatch(Q5_K{}, "Q5_K");

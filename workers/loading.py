@@ -3,8 +3,8 @@
 transformers is the loader (GGUF de-quantization, tokenizer, chat template) and the reference in
 tests; the runtime is `workers.model.TargetModel`. A GGUF file is de-quantized once and cached as
 a Hugging Face directory (config.json + model.safetensors + tokenizer files), so the second load
-reads safetensors directly. With weights="native" the GGUF file's Q4_0 / Q4_1 / Q8_0 / Q4_K /
-Q5_K / Q6_K matrices stay as they are stored (workers.quantized), and only its other tensors
+reads safetensors directly. With weights="native" the GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 /
+Q8_0 / Q4_K / Q5_K / Q6_K matrices stay as they are stored (workers.quantized), and only its other tensors
 come from that cache.
 """
 
@@ -196,8 +196,8 @@ def rope_row_order(rows: int, heads: int) -> torch.Tensor:
 
 
 def load_native_target(gguf: Path, directory: Path) -> TargetModel:
-    """The target of a GGUF file whose Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrices stay GGUF
-    blocks (mixed per tensor, as in a Q4_K_M file): every such nn.Linear becomes a
+    """The target of a GGUF file whose Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K
+    matrices stay GGUF blocks (mixed per tensor, as in a Q4_K_M file): every such nn.Linear becomes a
     QuantizedLinear, a quantized embedding a QuantizedEmbedding (sharing the
     LM head's blocks when they are tied). The other tensors (norms, F32 / F16 matrices) come
     from `directory`, the file de-quantized by transformers (gguf_to_hf_dir). Its outputs are

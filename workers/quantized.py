@@ -6,9 +6,12 @@ K, each block with its own scale (and, for Q4_1, its own minimum):
     type  bytes per block                          weight k of the block
     Q4_0  fp16 d, 16 bytes of 4-bit codes q         d * (q - 8)
     Q4_1  fp16 d, fp16 m, 16 bytes of 4-bit codes   d * q + m
+    Q5_0  fp16 d, 4 bytes qh, 16 bytes of low bits  d * (q - 16)
+    Q5_1  fp16 d, fp16 m, qh, 16 bytes of low bits  d * q + m
     Q8_0  fp16 d, 32 int8 codes q                   d * q
 
-In a 4-bit block, byte j holds code j (low nibble) and code j + 16 (high nibble).
+In a 4-bit block, byte j holds code j (low nibble) and code j + 16 (high nibble); a 5-bit code
+adds bit j of the little-endian 32-bit qh as its fifth bit.
 
 The K-quants store super-blocks of 256 weights, each with an fp16 d (and dmin) and small
 integer scales per sub-block (llama.cpp's block_q4_K, block_q5_K, block_q6_K):
@@ -38,8 +41,9 @@ import torch
 from torch import nn
 
 GROUP = 32  # weights per GGUF block of the 32-weight types (and per scale of the packed int4 layout)
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per stored block
-BLOCK_VALUES = {"Q4_0": 32, "Q4_1": 32, "Q8_0": 32, "Q4_K": 256, "Q5_K": 256, "Q6_K": 256}  # weights per stored block
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34,
+               "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes per stored block
+BLOCK_VALUES = {kind: 256 if kind.endswith("_K") else 32 for kind in BLOCK_BYTES}  # weights per stored block
 SCALE_GROUP = {"Q6_K": 16}  # weights per scale where not GROUP
 QUANT_TYPES = tuple(BLOCK_BYTES)
 K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")
@@ -51,9 +55,9 @@ class BlockWeights:
     g = k // group (32; Q6_K 16)."""
 
     kind: str  # one of QUANT_TYPES
-    codes: torch.Tensor  # [N, K] uint8 in [0, 15] (Q4_*), [0, 31] (Q5_K); int8 (Q8_0, Q6_K: q - 32)
+    codes: torch.Tensor  # [N, K] uint8 in [0, 15] (Q4_*), [0, 31] (Q5_*); int8 (Q8_0, Q6_K: q - 32)
     scale: torch.Tensor  # [N, K / group] float32
-    offset: torch.Tensor  # [N, K / group] float32 (Q4_0: -8 scale; Q4_1: the block minimum;
+    offset: torch.Tensor  # [N, K / group] float32 (Q4_0: -8 scale; Q5_0: -16 scale; Q4_1, Q5_1: the minimum;
     #                       Q4_K / Q5_K: -dmin m; Q8_0, Q6_K: 0)
 
     @property
@@ -92,11 +96,15 @@ class BlockWeights:
             codes = blocks[..., 2:].contiguous().view(torch.int8)
             return cls(kind, codes.reshape(n, k), d, torch.zeros_like(d))
         packed = blocks[..., -GROUP // 2 :]
-        codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1).reshape(n, k)
-        if kind == "Q4_0":
-            return cls(kind, codes, d, -8 * d)
-        m = blocks[..., 2:4].contiguous().view(torch.float16)[..., 0].to(torch.float32)
-        return cls(kind, codes, d, m)
+        codes = torch.cat([packed & 0x0F, packed >> 4], dim=-1)  # [N, G, 32]
+        if kind in ("Q5_0", "Q5_1"):
+            qh = blocks[..., -GROUP // 2 - 4 : -GROUP // 2].to(torch.int64)  # [N, G, 4] bytes of a little-endian uint32
+            bits = (qh[..., :, None] >> torch.arange(8)) & 1  # [N, G, 4, 8]: bit l of qh at [l // 8, l % 8]
+            codes = codes | (bits.reshape(n, -1, GROUP).to(torch.uint8) << 4)
+        codes = codes.reshape(n, k)
+        if kind in ("Q4_0", "Q5_0"):
+            return cls(kind, codes, d, (-8 if kind == "Q4_0" else -16) * d)
+        return cls(kind, codes, d, fp16_at(blocks, 2))
 
 
 def fp16_at(blocks: torch.Tensor, at: int) -> torch.Tensor:
@@ -146,7 +154,7 @@ def random_blocks(kind: str, n: int, k: int, generator: torch.Generator, d_range
     s = k // BLOCK_VALUES[kind]
     blocks = torch.randint(0, 256, (n, s, BLOCK_BYTES[kind]), dtype=torch.uint8, generator=generator)
     low, high = d_range
-    for at in ([208] if kind == "Q6_K" else [0, 2] if kind in ("Q4_1", "Q4_K", "Q5_K") else [0]):
+    for at in ([208] if kind == "Q6_K" else [0, 2] if kind in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else [0]):
         d = (low + (high - low) * torch.rand(n, s, generator=generator)).to(torch.float16)
         blocks[..., at : at + 2] = d[..., None].view(torch.uint8).view(n, s, 2)
     return blocks
@@ -258,8 +266,11 @@ def encode_blocks(weights: BlockWeights) -> torch.Tensor:
     if weights.kind == "Q8_0":
         return torch.cat([d, weights.codes.reshape(n, g, GROUP).view(torch.uint8)], dim=-1)
     codes = weights.codes.reshape(n, g, 2, GROUP // 2)
-    packed = codes[:, :, 0] | (codes[:, :, 1] << 4)
-    if weights.kind == "Q4_0":
+    packed = (codes[:, :, 0] & 0x0F) | ((codes[:, :, 1] & 0x0F) << 4)
+    if weights.kind in ("Q5_0", "Q5_1"):  # the fifth bits, 8 per byte of qh
+        bits = (weights.codes.reshape(n, g, 4, 8).to(torch.int64) >> 4) << torch.arange(8)
+        packed = torch.cat([bits.sum(-1).to(torch.uint8), packed], dim=-1)
+    if weights.kind in ("Q4_0", "Q5_0"):
         return torch.cat([d, packed], dim=-1)
     m = half_bytes(weights.offset)
     return torch.cat([d, m, packed], dim=-1)
