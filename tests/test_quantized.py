@@ -55,10 +55,20 @@ K_TILE_SHAPES = [(1, 256), (25, 768), (13, 1280)]
 CASES = [(kind, n, k) for kind in QUANT_TYPES for n, k in (K_TILE_SHAPES if kind in K_QUANTS else TILE_SHAPES)]
 
 
+# A K-quant's largest weight over d: 63 * 15 (Q4_K), 63 * 31 (Q5_K), 128 * 32 (Q6_K)
+K_REACH = {"Q4_K": 945, "Q5_K": 1953, "Q6_K": 4096}
+
+
+def k_quant_blocks(kind: str, n: int, k: int, gen: torch.Generator, scale: float) -> torch.Tensor:
+    """Random super-blocks whose weights reach about +-scale."""
+    return random_blocks(kind, n, k, gen, d_range=(scale / K_REACH[kind] / 2, scale / K_REACH[kind]))
+
+
 def layer_of(kind: str, n: int, k: int, gen: torch.Generator) -> tuple[QuantizedLinear, BlockWeights]:
-    """A [n, k] layer of `kind`: quantized by the gguf package where it can, else random blocks."""
+    """A [n, k] layer of `kind` with weights of about 0.1: quantized by the gguf package where it
+    can, else random blocks."""
     if kind in K_QUANTS:
-        blocks = random_blocks(kind, n, k, gen)
+        blocks = k_quant_blocks(kind, n, k, gen, 0.2)
         layer = QuantizedLinear(kind, blocks)
         return layer, layer.decoded()
     weights = quantize_for_test(torch.randn(n, k, generator=gen) * 0.1, kind)
@@ -153,9 +163,8 @@ def write_tiny_llama(path, types=TYPES, hidden=HIDDEN, intermediate=INTERMEDIATE
 
     def matrix(name, n, k, scale=0.2):
         kind = types[name.split(".")[-2] if name.startswith("blk") else name.split(".")[0]]
-        if kind in K_QUANTS:  # largest weight: 945 d (Q4_K), 1953 d (Q5_K), 4096 d (Q6_K)
-            reach = {"Q4_K": 945, "Q5_K": 1953, "Q6_K": 4096}[kind] / 2
-            raw = random_blocks(kind, n, k, gen, d_range=(scale / reach / 2, scale / reach)).reshape(n, -1).numpy()
+        if kind in K_QUANTS:
+            raw = k_quant_blocks(kind, n, k, gen, 2 * scale).reshape(n, -1).numpy()
         else:
             raw = quants.quantize((torch.randn(n, k, generator=gen) * scale).numpy(), GGMLQuantizationType[kind])
         writer.add_tensor(name, raw, raw_dtype=GGMLQuantizationType[kind])

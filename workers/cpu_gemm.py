@@ -1,7 +1,7 @@
 """ddtree's C++ GEMMs for the CPU (workers/cpu_gemm.cpp), compiled once per machine and loaded.
 
     torch.ops.ddtree_cpu.float_mm(x [M, K] float32, w [N, K] float32) -> [M, N]
-    torch.ops.ddtree_cpu.blocks_mm(x [M, K] float32, blocks [N, K / 32, bytes] uint8, kind) -> [M, N]
+    torch.ops.ddtree_cpu.blocks_mm(x [M, K] float32, blocks [N, K / block values, bytes] uint8, kind) -> [M, N]
 
 Both compute each output with one fixed order of float sums, whatever the number of rows
 (`row r of an M-row call is bitwise the 1-row call on that row`). float_mm serves every fp32
