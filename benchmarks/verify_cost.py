@@ -5,21 +5,28 @@ process, so that a busy machine slows all alike.
 
     python benchmarks/verify_cost.py [--model PATH] [--sizes 1,5,9,17,33] [--rounds 9] [--repeats 1]
                                      [--linear ddtree,onednn,torch] [--attention ddtree,torch]
-                                     [--weights float|native]
+                                     [--weights float|native] [--build AVX2|AVX512]
 
 --repeats N times N forwards in a row per size and round (after one untimed), as decoding runs
 them back to back; with 1, each timed forward follows other sizes' and backends' forwards, and
 one row measured up to ~25% slower that way than in a run of one-row forwards.
 
-For float weights where ddtree's CPU kernel is built, the last column is the linears' FMA
-floor: q rows times the linears' multiply-adds, at the rate one thread retires them in the
-kernel's vectors with nothing waiting on memory (ddtree_cpu.fma_rate), times the threads -- what
-T(q) cannot go below on this machine, however the weights stream.
+Where ddtree's CPU kernel is built, the last column is the linears' FMA floor: q rows times the
+linears' multiply-adds (nn.Linear and native QuantizedLinear alike), at the rate one thread
+retires them in the kernel's vectors with nothing waiting on memory (ddtree_cpu.fma_rate), times
+the threads -- what T(q) cannot go below on this machine, however the weights stream.
+
+--build AVX2 runs the kernel's AVX2 build on an AVX-512 machine (workers.cpu_gemm.vector_build);
+the native curve of both builds, as an AVX2 machine and this one run it:
+
+    python benchmarks/verify_cost.py --weights native --linear ddtree --sizes 1,5,9,17 --build AVX2
+    python benchmarks/verify_cost.py --weights native --linear ddtree --sizes 1,5,9,17
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -28,6 +35,7 @@ import torch
 from ddtree.workers import cpu_gemm
 from ddtree.workers import model as target_model
 from ddtree.workers.loading import load_target
+from ddtree.workers.quantized import QuantizedLinear
 
 CONTEXT = 300
 
@@ -42,7 +50,11 @@ def main() -> None:
     parser.add_argument("--weights", default="float", choices=["float", "native"])
     parser.add_argument("--repeats", type=int, default=1, help="timed forwards in a row per size and round")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--build", choices=list(cpu_gemm.VECTOR_FLAGS),
+                        help="the kernel's vector build (default: the CPU's own; AVX2 on an AVX-512 CPU measures the AVX2 build)")
     args = parser.parse_args()
+    if args.build:
+        os.environ["DDTREE_CPU_BUILD"] = args.build  # read when the kernel first loads, below
     torch.set_num_threads(args.threads)
     sizes = [int(q) for q in args.sizes.split(",")]
     backends = [f"{linear}/{attention}" for linear in args.linear.split(",") for attention in args.attention.split(",")]
@@ -65,9 +77,9 @@ def main() -> None:
                     model(tokens, positions, mask, cache)
                     times[backend, q].append(time.perf_counter() - start)
 
-    floor = fma_floor(model, args.threads) if args.weights == "float" else None  # native layers are not nn.Linear
-    print(f"torch {torch.__version__}, {args.threads} threads, weights {args.weights}, {args.rounds} rounds x {args.repeats}, "
-          f"cache {CONTEXT} tokens; median ms and T(q)/T(1)")
+    floor = fma_floor(model, args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads, weights {args.weights}, kernel build {cpu_gemm.vector_build()}, "
+          f"{args.rounds} rounds x {args.repeats}, cache {CONTEXT} tokens; median ms and T(q)/T(1)")
     print("| q | " + " | ".join(f"{b} T(q) ms | {b} T(q)/T(1)" for b in backends) + (" | FMA floor ms |" if floor else " |"))
     print("|---|" + "---|---|" * len(backends) + ("---|" if floor else ""))
     for q in sizes:
@@ -87,6 +99,7 @@ def fma_floor(model, threads: int) -> float | None:
         return None
     rate = max(torch.ops.ddtree_cpu.fma_rate(20_000_000) for _ in range(5))
     macs = sum(module.weight.numel() for module in model.modules() if isinstance(module, torch.nn.Linear))
+    macs += sum(module.in_features * module.out_features for module in model.modules() if isinstance(module, QuantizedLinear))
     print(f"linears: {macs / 1e6:.1f}M multiply-adds per row; one thread retires {rate / 1e9:.1f}G multiply-adds/s")
     return macs / (rate * threads)
 

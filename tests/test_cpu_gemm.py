@@ -61,6 +61,24 @@ def test_float_mm_rows_do_not_depend_on_their_batch(n, k):
         torch.set_num_threads(threads)
 
 
+def test_a_narrower_build_is_chosen_by_name_and_a_wider_or_unknown_one_refused(monkeypatch):
+    """DDTREE_CPU_BUILD picks the kernel's vector build (benchmarks measure the AVX2 build on an
+    AVX-512 machine with it); a build this CPU cannot run, or a name that is none, says which
+    builds it can."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    monkeypatch.delenv("DDTREE_CPU_BUILD", raising=False)
+    assert cpu_gemm.vector_build() == capability
+    monkeypatch.setenv("DDTREE_CPU_BUILD", "AVX2")
+    assert cpu_gemm.vector_build() == "AVX2"
+    monkeypatch.setenv("DDTREE_CPU_BUILD", "SSE42")
+    with pytest.raises(RuntimeError, match="choose one of"):
+        cpu_gemm.vector_build()
+    if capability == "AVX2":
+        monkeypatch.setenv("DDTREE_CPU_BUILD", "AVX512")
+        with pytest.raises(RuntimeError, match="this CPU reports AVX2"):
+            cpu_gemm.vector_build()
+
+
 def test_float_mm_refuses_what_it_does_not_compute():
     with pytest.raises(RuntimeError, match="float32"):
         float_mm(torch.ones(2, 4, dtype=torch.float64), torch.ones(3, 4))

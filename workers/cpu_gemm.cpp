@@ -1,6 +1,6 @@
 // ddtree's CPU GEMMs, y = x W^T with fp32 activations and outputs, for the few rows of decoding
 // and tree verification (and any M):
-//   blocks_mm  W kept as GGUF blocks (Q4_0, Q4_1, Q8_0): weights="native"
+//   blocks_mm  W kept as GGUF blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): weights="native"
 //   float_mm   W float32 as nn.Linear holds it [N, K]: every fp32 linear on the CPU
 //
 // The order of every output's sum is fixed, whatever M, the tile a row lands in and the thread
@@ -16,10 +16,12 @@
 // (exactly as gguf.quants de-quantizes them: an fp16 scale times a small integer code is exact in
 // fp32), and every activation row, up to PANEL_M of them, is multiplied against that buffer in
 // register tiles of R rows x C columns; so a weight is read from memory and decoded once per
-// PANEL_M rows, not once per few rows. Up to 5 rows (8 with AVX-512: plain decoding, a small
+// PANEL_M rows, not once per few rows. Up to 9 rows (8 with AVX-512: plain decoding, a small
 // tree's verify pass, a drafter's first depths) skip the buffer: each block is decoded in
-// registers and used at once for every row. Its result is F.linear over the de-quantized weights
-// up to the order of the float sums. With AVX-512 (SmolLM2's Q4_1 layers and Q8_0 head, 2 cores):
+// registers and used at once for every row (with AVX2, 6-9 rows one weight row at a time:
+// 0.81-0.85x the instructions of the buffer's at 9 rows, Q4_1 / Q8_0 / Q4_K alike, counted by
+// callgrind). Its result is F.linear over the de-quantized weights up to the order of the float
+// sums. With AVX-512 (SmolLM2's Q4_1 layers and Q8_0 head, 2 cores):
 // 0.83x the AVX2 build's time at 5 rows, 0.8x at 6-8, 0.84x at 9-17, the same at one row.
 //
 // float_mm: see its section below.
@@ -76,17 +78,88 @@ inline void prefetch(const uint8_t* p) {
 #endif
 }
 
-// Block types; decode(Block{}, b, w) writes a block's 32 weights to w[0..31] (32-byte aligned), in
-// the order of their inputs.
+// Block types: a stored block of VALUES weights in BYTES bytes, read GROUP = 32 weights (a
+// group) at a time. decode_group(Block{}, row, g, w) gives group g of a weight row (its inputs
+// 32 g .. 32 g + 31, in order) as vectors (or, in the scalar build, 32 floats), each weight
+// exactly as gguf.quants de-quantizes it.
 struct Q4_0 {
-  static constexpr int64_t BYTES = 18;  // fp16 d, 16 bytes of codes: w = d (q - 8)
+  static constexpr int64_t BYTES = 18, VALUES = 32;  // fp16 d, 16 bytes of codes: w = d (q - 8)
 };
 struct Q4_1 {
-  static constexpr int64_t BYTES = 20;  // fp16 d, fp16 m, 16 bytes of codes: w = d q + m
+  static constexpr int64_t BYTES = 20, VALUES = 32;  // fp16 d, fp16 m, 16 bytes of codes: w = d q + m
 };
 struct Q8_0 {
-  static constexpr int64_t BYTES = 34;  // fp16 d, 32 int8 codes: w = d q
+  static constexpr int64_t BYTES = 34, VALUES = 32;  // fp16 d, 32 int8 codes: w = d q
 };
+// 5-bit codes: the 4-bit codes' bytes as in Q4_0, and bit l of a 32-bit qh the fifth bit of code l
+struct Q5_0 {
+  static constexpr int64_t BYTES = 22, VALUES = 32;  // fp16 d, qh, 16 bytes: w = d (q - 16)
+};
+struct Q5_1 {
+  static constexpr int64_t BYTES = 24, VALUES = 32;  // fp16 d, fp16 m, qh, 16 bytes: w = d q + m
+};
+// K-quants: super-blocks of 256 weights, 8 groups of 32 (ggml's block_q4_K, block_q5_K, block_q6_K)
+//   Q4_K  fp16 d, fp16 dmin, 12 bytes of 6-bit scales sc[8] and minima m[8] (scale_min_k4), 128
+//         bytes of 4-bit codes: group j reads the low (j even) or high (j odd) nibbles of bytes
+//         32 (j / 2) .. 32 (j / 2) + 31; w = (d sc[j]) q - dmin m[j]
+//   Q5_K  the same, with 32 bytes qh after the scales: bit j of qh[l] is the fifth bit of group
+//         j's code l; w = (d sc[j]) q - dmin m[j]
+//   Q6_K  128 bytes of low 4 bits ql, 64 bytes of high 2 bits qh, 16 int8 scales (one per 16
+//         weights), fp16 d last; w = (d sc[i / 16]) (q - 32)
+// Every product above is exact in fp32 (at most 24 significant bits), so w is the one rounding
+// of its formula, as gguf.quants computes it in float32.
+struct Q4_K {
+  static constexpr int64_t BYTES = 144, VALUES = 256;
+};
+struct Q5_K {
+  static constexpr int64_t BYTES = 176, VALUES = 256;
+};
+struct Q6_K {
+  static constexpr int64_t BYTES = 210, VALUES = 256;
+};
+
+// The bytes of one weight row of `groups` groups.
+template <typename Block>
+constexpr int64_t row_bytes(int64_t groups) { return groups / (Block::VALUES / GROUP) * Block::BYTES; }
+
+// Group j's 6-bit scale and minimum of a Q4_K / Q5_K super-block's 12 scale bytes s (ggml's
+// get_scale_min_k4)
+inline void scale_min_k4(const uint8_t* s, int j, float& sc, float& m) {
+  if (j < 4) {
+    sc = static_cast<float>(s[j] & 63);
+    m = static_cast<float>(s[j + 4] & 63);
+  } else {
+    sc = static_cast<float>((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4));
+    m = static_cast<float>((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+  }
+}
+
+// A group of Q5_0, Q5_1 or a K-quant: w[i] = scale[i / 16] * code[i] + offset[i / 16] (an exact
+// product, one rounding; the codes from group_codes)
+inline void group_affine(Q5_0, const uint8_t* b, int, float scale[2], float offset[2]) {
+  scale[0] = scale[1] = half_at(b);
+  offset[0] = offset[1] = -16.0f * scale[0];  // d (q - 16) = d q - 16 d, both exact
+}
+inline void group_affine(Q5_1, const uint8_t* b, int, float scale[2], float offset[2]) {
+  scale[0] = scale[1] = half_at(b);
+  offset[0] = offset[1] = half_at(b + 2);
+}
+inline void group_affine(Q4_K, const uint8_t* b, int j, float scale[2], float offset[2]) {
+  float sc, m;
+  scale_min_k4(b + 4, j, sc, m);
+  scale[0] = scale[1] = half_at(b) * sc;
+  offset[0] = offset[1] = -(half_at(b + 2) * m);
+}
+inline void group_affine(Q5_K, const uint8_t* b, int j, float scale[2], float offset[2]) {
+  group_affine(Q4_K{}, b, j, scale, offset);
+}
+inline void group_affine(Q6_K, const uint8_t* b, int j, float scale[2], float offset[2]) {
+  const float d = half_at(b + 208);
+  for (int h = 0; h < 2; ++h) {
+    scale[h] = d * static_cast<float>(static_cast<int8_t>(b[192 + 2 * j + h]));
+    offset[h] = -32.0f * scale[h];  // scale (q - 32) = scale q - 32 scale, both exact
+  }
+}
 
 #ifdef __AVX2__
 // 16 bytes of 4-bit codes -> codes 0-7, 8-15 (low nibbles), 16-23, 24-31 (high nibbles) as floats
@@ -120,6 +193,73 @@ inline void decode(Q8_0, const uint8_t* b, __m256 w[4]) {
     w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
   }
 }
+
+// A group's 32 codes (Q5_0, Q5_1, the K-quants) as bytes: c[0] codes 0-15, c[1] codes 16-31.
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+// 16 bytes of 4-bit codes and their 32 fifth bits qh -> 5-bit codes 0-15, 16-31
+inline void five_bit_codes(const uint8_t* qh, const uint8_t* qs, __m128i c[2]) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, sizeof(bits));
+  const __m128i h = _mm_set1_epi32(static_cast<int>(bits)), mask = _mm_set1_epi8(0x0F), sixteen = _mm_set1_epi8(16);
+  const __m128i which = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+  const __m128i bytes = load16(qs);
+  const __m128i low[2] = {_mm_and_si128(bytes, mask), _mm_and_si128(_mm_srli_epi16(bytes, 4), mask)};
+  const __m128i pick = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  for (int half = 0; half < 2; ++half) {  // code 16 half + l: bit l % 8 of qh's byte 2 half + l / 8
+    const __m128i picked = _mm_shuffle_epi8(half ? _mm_srli_epi32(h, 16) : h, pick);
+    const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(picked, which), which);
+    c[half] = _mm_or_si128(low[half], _mm_and_si128(set, sixteen));
+  }
+}
+
+inline void group_codes(Q5_0, const uint8_t* b, int, __m128i c[2]) { five_bit_codes(b + 2, b + 6, c); }
+inline void group_codes(Q5_1, const uint8_t* b, int, __m128i c[2]) { five_bit_codes(b + 4, b + 8, c); }
+
+inline void group_codes(Q4_K, const uint8_t* b, int j, __m128i c[2]) {
+  const uint8_t* q = b + 16 + 32 * (j / 2);
+  const __m128i shift = _mm_cvtsi32_si128(4 * (j & 1)), mask = _mm_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) c[h] = _mm_and_si128(_mm_srl_epi16(load16(q + 16 * h), shift), mask);
+}
+
+inline void group_codes(Q5_K, const uint8_t* b, int j, __m128i c[2]) {
+  const uint8_t* q = b + 48 + 32 * (j / 2);
+  const __m128i shift = _mm_cvtsi32_si128(4 * (j & 1)), mask = _mm_set1_epi8(0x0F), one = _mm_set1_epi8(1);
+  const __m128i bit = _mm_cvtsi32_si128(j);
+  for (int h = 0; h < 2; ++h) {
+    const __m128i high = _mm_and_si128(_mm_srl_epi16(load16(b + 16 + 16 * h), bit), one);  // bit j of each byte
+    c[h] = _mm_or_si128(_mm_and_si128(_mm_srl_epi16(load16(q + 16 * h), shift), mask), _mm_slli_epi16(high, 4));
+  }
+}
+
+inline void group_codes(Q6_K, const uint8_t* b, int j, __m128i c[2]) {
+  const int half = j / 4, u = j % 4;  // group j: 128 weights' half, and which 32 of them
+  const uint8_t* ql = b + 64 * half + 32 * (u & 1);
+  const uint8_t* qh = b + 128 + 32 * half;
+  const __m128i low_shift = _mm_cvtsi32_si128(4 * (u >> 1)), high_shift = _mm_cvtsi32_si128(2 * u);
+  const __m128i mask = _mm_set1_epi8(0x0F), three = _mm_set1_epi8(3);
+  for (int h = 0; h < 2; ++h) {
+    const __m128i high = _mm_and_si128(_mm_srl_epi16(load16(qh + 16 * h), high_shift), three);
+    c[h] = _mm_or_si128(_mm_and_si128(_mm_srl_epi16(load16(ql + 16 * h), low_shift), mask), _mm_slli_epi16(high, 4));
+  }
+}
+
+// Group j of a K-quant super-block (a Q5_0 / Q5_1 block: j = 0) as four vectors of eight.
+template <typename Block>
+inline void decode(Block, const uint8_t* b, int j, __m256 w[4]) {
+  __m128i c[2];
+  float scale[2], offset[2];
+  group_codes(Block{}, b, j, c);
+  group_affine(Block{}, b, j, scale, offset);
+  for (int i = 0; i < 4; ++i) {
+    const __m128i bytes = i % 2 ? _mm_srli_si128(c[i / 2], 8) : c[i / 2];
+    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    w[i] = _mm256_fmadd_ps(_mm256_set1_ps(scale[i / 2]), q, _mm256_set1_ps(offset[i / 2]));
+  }
+}
+
+inline void decode(Q5_0, const uint8_t* b, __m256 w[4]) { decode(Q5_0{}, b, 0, w); }
+inline void decode(Q5_1, const uint8_t* b, __m256 w[4]) { decode(Q5_1{}, b, 0, w); }
 
 inline float sum_lanes(__m256 v) {  // ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -164,6 +304,21 @@ inline void decode(Q8_0, const uint8_t* b, __m512 w[2]) {
   }
 }
 
+// Group j of a K-quant super-block (a Q5_0 / Q5_1 block: j = 0) as two vectors of sixteen.
+template <typename Block>
+inline void decode(Block, const uint8_t* b, int j, __m512 w[2]) {
+  __m128i c[2];
+  float scale[2], offset[2];
+  group_codes(Block{}, b, j, c);
+  group_affine(Block{}, b, j, scale, offset);
+  for (int i = 0; i < 2; ++i)
+    w[i] = _mm512_fmadd_ps(_mm512_set1_ps(scale[i]), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c[i])),
+                           _mm512_set1_ps(offset[i]));
+}
+
+inline void decode(Q5_0, const uint8_t* b, __m512 w[2]) { decode(Q5_0{}, b, 0, w); }
+inline void decode(Q5_1, const uint8_t* b, __m512 w[2]) { decode(Q5_1{}, b, 0, w); }
+
 // The vectors the GEMMs' loops below are written in: VLANES floats.
 using Vec = __m512;
 inline Vec vzero() { return _mm512_setzero_ps(); }
@@ -190,10 +345,18 @@ constexpr int BLOCK_VECTORS = GROUP / VLANES;  // a decoded block's vectors
 // VLANES partial sums at a (aligned to the vector)
 inline float sum_lanes(const float* a) { return sum_lanes(vload_aligned(a)); }
 
+// Group g of a weight row (see the block types above) as BLOCK_VECTORS vectors.
 template <typename Block>
-inline void decode_block(Block, const uint8_t* b, float* w) {
+inline void decode_group(Block, const uint8_t* row, int64_t g, Vec w[BLOCK_VECTORS]) {
+  constexpr int64_t SUBS = Block::VALUES / GROUP;
+  if constexpr (SUBS == 1) decode(Block{}, row + g * Block::BYTES, w);
+  else decode(Block{}, row + g / SUBS * Block::BYTES, static_cast<int>(g % SUBS), w);
+}
+
+template <typename Block>
+inline void decode_block(Block, const uint8_t* row, int64_t g, float* w) {
   Vec v[BLOCK_VECTORS];
-  decode(Block{}, b, v);
+  decode_group(Block{}, row, g, v);
   for (int i = 0; i < BLOCK_VECTORS; ++i) vstore_aligned(w + VLANES * i, v[i]);
 }
 
@@ -218,13 +381,14 @@ inline void multiply_tile(const float* x, int64_t K, const float* w, float* acc,
     for (int c = 0; c < C; ++c) vstore_aligned(acc + (r * TILE_N + c) * VLANES, a[r][c]);
 }
 
-// R activation rows (1-5, or 1-8 with AVX-512: plain decoding, a verify pass over a small tree,
+// R activation rows (1-9, or 1-8 with AVX-512: plain decoding, a verify pass over a small tree,
 // a drafter's first depths) times C weight rows, each block decoded in registers once and used
 // at once for all R rows: the buffer of `tiles` pays for its stores and loads only when more rows
 // share a decoded block. The same sums as multiply_tile's, lane j adding k = j, j + VLANES, ...
 // in order.
 template <typename Block, int R, int C>
 inline void few_rows(const float* x, int64_t K, const uint8_t* rows, int64_t groups, float* y, int64_t N) {
+  const int64_t stride = row_bytes<Block>(groups);
   Vec a[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) a[r][c] = vzero();
@@ -234,8 +398,8 @@ inline void few_rows(const float* x, int64_t K, const uint8_t* rows, int64_t gro
       Vec w[BLOCK_VECTORS];
       // the same block of the next C rows: reading C rows side by side left the hardware's
       // prefetcher behind (the Q8_0 LM head ran at a third of the old kernel's speed without it)
-      prefetch(rows + ((c + C) * groups + g) * Block::BYTES);
-      decode(Block{}, rows + (c * groups + g) * Block::BYTES, w);
+      prefetch(rows + (c + C) * stride + g * Block::BYTES * GROUP / Block::VALUES);
+      decode_group(Block{}, rows + c * stride, g, w);
       for (int r = 0; r < R; ++r)
         for (int i = 0; i < BLOCK_VECTORS; ++i) a[r][c] = vfmadd(w[i], vload(xs + r * K + VLANES * i), a[r][c]);
     }
@@ -246,16 +410,17 @@ inline void few_rows(const float* x, int64_t K, const uint8_t* rows, int64_t gro
 
 template <typename Block, int R>
 void few_rows_columns(const float* x, const uint8_t* blocks, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  // 4-10 sums in flight, and no spills (one row with 6 spilled them with GCC)
+  // 4-10 sums in flight, and no spills (one row with 6 spilled them with GCC); with AVX2, 6-9
+  // rows of one column: 6-9 sums, the block's 4 vectors
 #ifdef __AVX512F__
   constexpr int C = R <= 2 ? 4 : R <= 4 ? 3 : 2;
 #else
-  constexpr int C = R <= 2 ? 4 : R == 3 ? 3 : 2;
+  constexpr int C = R <= 2 ? 4 : R == 3 ? 3 : R <= 5 ? 2 : 1;
 #endif
   const int64_t groups = K / GROUP;
   int64_t n = n0;
-  for (; n + C <= n1; n += C) few_rows<Block, R, C>(x, K, blocks + n * groups * Block::BYTES, groups, y + n, N);
-  for (; n < n1; ++n) few_rows<Block, R, 1>(x, K, blocks + n * groups * Block::BYTES, groups, y + n, N);
+  for (; n + C <= n1; n += C) few_rows<Block, R, C>(x, K, blocks + n * row_bytes<Block>(groups), groups, y + n, N);
+  for (; n < n1; ++n) few_rows<Block, R, 1>(x, K, blocks + n * row_bytes<Block>(groups), groups, y + n, N);
 }
 
 #else
@@ -281,8 +446,50 @@ inline void decode(Q8_0, const uint8_t* b, float* w) {
   for (int j = 0; j < 32; ++j) w[j] = d * static_cast<float>(q[j]);
 }
 
+// A group's 32 codes as bytes.
+inline void five_bit_codes(const uint8_t* qh, const uint8_t* qs, uint8_t c[32]) {
+  uint32_t bits;
+  std::memcpy(&bits, qh, sizeof(bits));
+  for (int l = 0; l < 32; ++l) c[l] = ((l < 16 ? qs[l] : qs[l - 16] >> 4) & 0x0F) | (((bits >> l) & 1) << 4);
+}
+inline void group_codes(Q5_0, const uint8_t* b, int, uint8_t c[32]) { five_bit_codes(b + 2, b + 6, c); }
+inline void group_codes(Q5_1, const uint8_t* b, int, uint8_t c[32]) { five_bit_codes(b + 4, b + 8, c); }
+
+inline void group_codes(Q4_K, const uint8_t* b, int j, uint8_t c[32]) {
+  const uint8_t* q = b + 16 + 32 * (j / 2);
+  for (int l = 0; l < 32; ++l) c[l] = (q[l] >> (4 * (j & 1))) & 0x0F;
+}
+
+inline void group_codes(Q5_K, const uint8_t* b, int j, uint8_t c[32]) {
+  const uint8_t* q = b + 48 + 32 * (j / 2);
+  for (int l = 0; l < 32; ++l) c[l] = ((q[l] >> (4 * (j & 1))) & 0x0F) | (((b[16 + l] >> j) & 1) << 4);
+}
+
+inline void group_codes(Q6_K, const uint8_t* b, int j, uint8_t c[32]) {
+  const int half = j / 4, u = j % 4;
+  const uint8_t* ql = b + 64 * half + 32 * (u & 1);
+  const uint8_t* qh = b + 128 + 32 * half;
+  for (int l = 0; l < 32; ++l) c[l] = ((ql[l] >> (4 * (u >> 1))) & 0x0F) | (((qh[l] >> (2 * u)) & 3) << 4);
+}
+
 template <typename Block>
-inline void decode_block(Block, const uint8_t* b, float* w) { decode(Block{}, b, w); }
+inline void decode(Block, const uint8_t* b, int j, float* w) {
+  uint8_t c[32];
+  float scale[2], offset[2];
+  group_codes(Block{}, b, j, c);
+  group_affine(Block{}, b, j, scale, offset);
+  for (int l = 0; l < 32; ++l) w[l] = scale[l / 16] * static_cast<float>(c[l]) + offset[l / 16];  // an exact product
+}
+
+inline void decode(Q5_0, const uint8_t* b, float* w) { decode(Q5_0{}, b, 0, w); }
+inline void decode(Q5_1, const uint8_t* b, float* w) { decode(Q5_1{}, b, 0, w); }
+
+template <typename Block>
+inline void decode_block(Block, const uint8_t* row, int64_t g, float* w) {
+  constexpr int64_t SUBS = Block::VALUES / GROUP;
+  if constexpr (SUBS == 1) decode(Block{}, row + g * Block::BYTES, w);
+  else decode(Block{}, row + g / SUBS * Block::BYTES, static_cast<int>(g % SUBS), w);
+}
 
 inline float sum_lanes(const float* a) {  // the AVX2 tree, in scalar code
   return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
@@ -328,10 +535,11 @@ void tiles(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N
       for (int64_t k0 = 0; k0 < K; k0 += span) {
         const int64_t width = std::min(span, K - k0);
         for (int64_t c = 0; c < columns; ++c) {
-          const uint8_t* row = blocks + ((n0 + c) * groups + k0 / GROUP) * Block::BYTES;
-          for (int64_t g = 0; g < width / GROUP; ++g) {
-            prefetch(row + (TILE_N * groups + g) * Block::BYTES);  // the next tile's block (see few_rows)
-            decode_block(Block{}, row + g * Block::BYTES, w + c * TILE_K + g * GROUP);
+          const uint8_t* row = blocks + (n0 + c) * row_bytes<Block>(groups);
+          for (int64_t g = k0 / GROUP; g < (k0 + width) / GROUP; ++g) {
+            // the next tile's block (see few_rows)
+            prefetch(row + TILE_N * row_bytes<Block>(groups) + g * Block::BYTES * GROUP / Block::VALUES);
+            decode_block(Block{}, row, g, w + c * TILE_K + (g - k0 / GROUP) * GROUP);
           }
         }
         const float* xs = x + m0 * K + k0;
@@ -354,7 +562,7 @@ template <typename Block>
 void run(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, int64_t K) {
   // A task of about 64 KiB of weights at one row, fewer as rows add multiplications, so that
   // small matrices at one row stay on one thread and a tree's rows split even small ones.
-  const int64_t tile_bytes = TILE_N * (K / GROUP) * Block::BYTES;
+  const int64_t tile_bytes = TILE_N * row_bytes<Block>(K / GROUP);
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, tile_bytes * (1 + std::min(M, PANEL_M) / 4)));
   at::parallel_for(0, (N + TILE_N - 1) / TILE_N, grain, [&](int64_t t0, int64_t t1) {
 #ifdef __AVX2__
@@ -365,10 +573,11 @@ void run(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, 
       case 3: return few_rows_columns<Block, 3>(x, blocks, y, N, K, n0, n1);
       case 4: return few_rows_columns<Block, 4>(x, blocks, y, N, K, n0, n1);
       case 5: return few_rows_columns<Block, 5>(x, blocks, y, N, K, n0, n1);
-#ifdef __AVX512F__  // 32 registers hold the sums of up to 8 rows (0.8x the time of tiles at 6-8 rows)
       case 6: return few_rows_columns<Block, 6>(x, blocks, y, N, K, n0, n1);
       case 7: return few_rows_columns<Block, 7>(x, blocks, y, N, K, n0, n1);
       case 8: return few_rows_columns<Block, 8>(x, blocks, y, N, K, n0, n1);
+#ifndef __AVX512F__
+      case 9: return few_rows_columns<Block, 9>(x, blocks, y, N, K, n0, n1);
 #endif
     }
 #endif
@@ -376,28 +585,35 @@ void run(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, 
   });
 }
 
-// x [M, K] float32, blocks [N, K / 32, bytes per block] uint8 -> [M, N] float32
+// x [M, K] float32, blocks [N, K / values per block, bytes per block] uint8 -> [M, N] float32
 at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& blocks, const std::string& kind) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "ddtree_cpu.blocks_mm runs on CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "x must be a [M, K] float32 tensor");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 3, "blocks must be [N, K / 32, bytes] uint8");
   const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
-  TORCH_CHECK(blocks.size(1) * GROUP == K, "blocks cover ", blocks.size(1) * GROUP, " inputs, x has ", K);
   at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = xc.data_ptr<float>();
   const uint8_t* bp = bc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t bytes = blocks.size(2);
-  if (kind == "Q4_0" && bytes == Q4_0::BYTES) {
-    run<Q4_0>(xp, bp, yp, M, N, K);
-  } else if (kind == "Q4_1" && bytes == Q4_1::BYTES) {
-    run<Q4_1>(xp, bp, yp, M, N, K);
-  } else if (kind == "Q8_0" && bytes == Q8_0::BYTES) {
-    run<Q8_0>(xp, bp, yp, M, N, K);
-  } else {
-    TORCH_CHECK(false, "unsupported block type ", kind, " with ", bytes, " bytes per block");
-  }
+  bool known = false;
+  auto dispatch = [&](auto block, const char* name) {
+    using Block = decltype(block);
+    if (known || kind != name || bytes != Block::BYTES) return;
+    known = true;
+    TORCH_CHECK(blocks.size(1) * Block::VALUES == K, "blocks cover ", blocks.size(1) * Block::VALUES, " inputs, x has ", K);
+    run<Block>(xp, bp, yp, M, N, K);
+  };
+  dispatch(Q4_0{}, "Q4_0");
+  dispatch(Q4_1{}, "Q4_1");
+  dispatch(Q5_0{}, "Q5_0");
+  dispatch(Q5_1{}, "Q5_1");
+  dispatch(Q8_0{}, "Q8_0");
+  dispatch(Q4_K{}, "Q4_K");
+  dispatch(Q5_K{}, "Q5_K");
+  dispatch(Q6_K{}, "Q6_K");
+  TORCH_CHECK(known, "unsupported block type ", kind, " with ", bytes, " bytes per block");
   return y;
 }
 

@@ -1,7 +1,7 @@
 """ddtree's C++ GEMMs for the CPU (workers/cpu_gemm.cpp), compiled once per machine and loaded.
 
     torch.ops.ddtree_cpu.float_mm(x [M, K] float32, w [N, K] float32) -> [M, N]
-    torch.ops.ddtree_cpu.blocks_mm(x [M, K] float32, blocks [N, K / 32, bytes] uint8, kind) -> [M, N]
+    torch.ops.ddtree_cpu.blocks_mm(x [M, K] float32, blocks [N, K / block values, bytes] uint8, kind) -> [M, N]
 
 Both compute each output with one fixed order of float sums, whatever the number of rows
 (`row r of an M-row call is bitwise the 1-row call on that row`). float_mm serves every fp32
@@ -50,12 +50,27 @@ def kernel_build_command(output: Path) -> list[str]:
             "install g++ (or set CXX); weights='native' needs it, float weights fall back to oneDNN"
         )
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    vector = VECTOR_FLAGS.get(torch.backends.cpu.get_cpu_capability(), [])
+    vector = VECTOR_FLAGS.get(vector_build(), [])
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libraries = [arg for p in cpp_extension.library_paths() for arg in (f"-L{p}", f"-Wl,-rpath,{p}")]
     return [compiler, "-O3", "-std=gnu++17", "-shared", "-fPIC", "-fopenmp", *vector,
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(KERNEL_SOURCE), "-o", str(output),
             *libraries, "-lc10", "-ltorch_cpu"]
+
+
+def vector_build() -> str:
+    """The vector instructions the kernel is built for: torch's CPU capability, or the narrower
+    build that $DDTREE_CPU_BUILD names ("AVX2" on an AVX-512 machine: to measure or test the
+    build that AVX2 machines run)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    wanted = os.environ.get("DDTREE_CPU_BUILD")
+    if not wanted:
+        return capability
+    order = list(VECTOR_FLAGS)  # narrower first
+    if wanted not in order or capability not in order or order.index(wanted) > order.index(capability):
+        raise RuntimeError(f"DDTREE_CPU_BUILD={wanted!r}: this CPU reports {capability}; "
+                           f"choose one of {order[: order.index(capability) + 1] if capability in order else []}")
+    return wanted
 
 
 def kernel_dir() -> Path:

