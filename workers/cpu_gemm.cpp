@@ -16,12 +16,10 @@
 // (exactly as gguf.quants de-quantizes them: an fp16 scale times a small integer code is exact in
 // fp32), and every activation row, up to PANEL_M of them, is multiplied against that buffer in
 // register tiles of R rows x C columns; so a weight is read from memory and decoded once per
-// PANEL_M rows, not once per few rows. Up to 9 rows (8 with AVX-512: plain decoding, a small
+// PANEL_M rows, not once per few rows. Up to 5 rows (8 with AVX-512: plain decoding, a small
 // tree's verify pass, a drafter's first depths) skip the buffer: each block is decoded in
-// registers and used at once for every row (with AVX2, 6-9 rows one weight row at a time:
-// 0.81-0.85x the instructions of the buffer's at 9 rows, Q4_1 / Q8_0 / Q4_K alike, counted by
-// callgrind). Its result is F.linear over the de-quantized weights up to the order of the float
-// sums. With AVX-512 (SmolLM2's Q4_1 layers and Q8_0 head, 2 cores):
+// registers and used at once for every row. Its result is F.linear over the de-quantized weights
+// up to the order of the float sums. With AVX-512 (SmolLM2's Q4_1 layers and Q8_0 head, 2 cores):
 // 0.83x the AVX2 build's time at 5 rows, 0.8x at 6-8, 0.84x at 9-17, the same at one row.
 //
 // float_mm: see its section below.
@@ -381,7 +379,7 @@ inline void multiply_tile(const float* x, int64_t K, const float* w, float* acc,
     for (int c = 0; c < C; ++c) vstore_aligned(acc + (r * TILE_N + c) * VLANES, a[r][c]);
 }
 
-// R activation rows (1-9, or 1-8 with AVX-512: plain decoding, a verify pass over a small tree,
+// R activation rows (1-5, or 1-8 with AVX-512: plain decoding, a verify pass over a small tree,
 // a drafter's first depths) times C weight rows, each block decoded in registers once and used
 // at once for all R rows: the buffer of `tiles` pays for its stores and loads only when more rows
 // share a decoded block. The same sums as multiply_tile's, lane j adding k = j, j + VLANES, ...
@@ -410,12 +408,11 @@ inline void few_rows(const float* x, int64_t K, const uint8_t* rows, int64_t gro
 
 template <typename Block, int R>
 void few_rows_columns(const float* x, const uint8_t* blocks, float* y, int64_t N, int64_t K, int64_t n0, int64_t n1) {
-  // 4-10 sums in flight, and no spills (one row with 6 spilled them with GCC); with AVX2, 6-9
-  // rows of one column: 6-9 sums, the block's 4 vectors
+  // 4-10 sums in flight, and no spills (one row with 6 spilled them with GCC)
 #ifdef __AVX512F__
   constexpr int C = R <= 2 ? 4 : R <= 4 ? 3 : 2;
 #else
-  constexpr int C = R <= 2 ? 4 : R == 3 ? 3 : R <= 5 ? 2 : 1;
+  constexpr int C = R <= 2 ? 4 : R == 3 ? 3 : 2;
 #endif
   const int64_t groups = K / GROUP;
   int64_t n = n0;
@@ -573,11 +570,10 @@ void run(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, 
       case 3: return few_rows_columns<Block, 3>(x, blocks, y, N, K, n0, n1);
       case 4: return few_rows_columns<Block, 4>(x, blocks, y, N, K, n0, n1);
       case 5: return few_rows_columns<Block, 5>(x, blocks, y, N, K, n0, n1);
+#ifdef __AVX512F__  // 32 registers hold the sums of up to 8 rows (0.8x the time of tiles at 6-8 rows)
       case 6: return few_rows_columns<Block, 6>(x, blocks, y, N, K, n0, n1);
       case 7: return few_rows_columns<Block, 7>(x, blocks, y, N, K, n0, n1);
       case 8: return few_rows_columns<Block, 8>(x, blocks, y, N, K, n0, n1);
-#ifndef __AVX512F__
-      case 9: return few_rows_columns<Block, 9>(x, blocks, y, N, K, n0, n1);
 #endif
     }
 #endif
