@@ -97,7 +97,7 @@ class ModelPairConfig(BaseModel):
     dtype: Literal["float32", "float64", "bfloat16"] = Field("float32", description="Weights dtype.")
     weights: Literal["float", "native"] = Field(
         "float", description="How a .gguf target's weights are held: 'float' = de-quantized once to `dtype` "
-        "(cached as safetensors); 'native' = its Q4_0 / Q4_1 / Q8_0 matrices stay as stored and a C++ kernel "
+        "(cached as safetensors); 'native' = its Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / Q4_K / Q5_K / Q6_K matrices stay as stored and a C++ kernel "
         "(built once with the machine's g++) multiplies with them directly: fewer bytes read per token, the "
         "de-quantized model's outputs up to float summation order. 'native' needs a .gguf target (or the "
         "default one), dtype float32, CPU and tp 1."
