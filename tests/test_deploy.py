@@ -1,6 +1,7 @@
 """`serve deploy` as an operator runs it: a Ray cluster started with `ray start --head`, the
 shipped cluster/serve-config.yaml deployed with Ray's own CLI, asked through the openai client,
-read with `serve status`, scaled 1 -> 2 engine replicas under load and back to 1 once idle."""
+read with `serve status`, scaled 1 -> 2 engine replicas under load and back to 1 once idle, and
+deployed again with another setting while streams run."""
 
 from __future__ import annotations
 
@@ -31,18 +32,13 @@ BIN = Path(sys.executable).parent
 # Ray starts clusters with token authentication; its CLI sends the token (~/.ray/auth_token)
 # only when told to (README, "Deploying")
 CLI_ENV = {**os.environ, "RAY_AUTH_MODE": "token"}
+LONG = 96  # tokens of a stream that runs across a scale-up or a redeploy
 
 
 def cli(*args: str, timeout: float = 300) -> str:
     done = subprocess.run([str(BIN / args[0]), *args[1:]], env=CLI_ENV, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{' '.join(args)}: {done.stdout[-2000:]}\n{done.stderr[-3000:]}"
     return done.stdout
-
-
-def engine_replicas(dashboard: str) -> int:
-    status = yaml.safe_load(cli("serve", "status", "--address", dashboard, timeout=60))
-    states = status["applications"]["ddtree"]["deployments"]["DDTreeEngine"]["replica_states"]
-    return states.get("RUNNING", 0)
 
 
 def wait_for(what: str, check, timeout: float) -> None:
@@ -52,83 +48,160 @@ def wait_for(what: str, check, timeout: float) -> None:
         time.sleep(1)
 
 
-def test_serve_deploy_of_the_shipped_config_scales_and_serves_plain_decoding(tiny_chat_model, tmp_path):
-    """The shipped config with the tiny model, short autoscaling delays and a free port: deployed
-    with `serve deploy` on a `ray start --head` cluster (token authentication, as Ray starts
-    it), it serves the in-process engine's text through the openai client; `serve status` says
-    RUNNING; six long streams at once bring a second engine replica, and every stream's text is
-    still the in-process engine's; idle, it goes back to one replica."""
-    dashboard_port, http_port, gcs_port = free_port(), free_port(), free_port()
-    dashboard, base = f"http://127.0.0.1:{dashboard_port}", f"http://127.0.0.1:{http_port}"
-    config = yaml.safe_load((ROOT / "cluster" / "serve-config.yaml").read_text())
-    config["http_options"]["port"] = http_port
-    args = config["applications"][0]["args"]
-    args.update(model=str(tiny_chat_model), model_name="tiny", block_size=4, engine_num_cpus=1)
-    args["autoscaling"].update(min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=1,
-                               downscale_delay_s=3, metrics_interval_s=0.5, look_back_period_s=2)
-    deployed = tmp_path / "serve-config.yaml"
-    deployed.write_text(yaml.safe_dump(config))
-
-    engine = Engine.from_config(ModelPairConfig(model=str(tiny_chat_model), budget=0, block_size=4))
-    expected = {n: engine.generate([engine.request(engine.render_chat(CHAT_SAMPLE), n, SamplingParams())])[0].text
-                for n in (16, 96)}
-
-    # a cluster of its own: in the foreground (--block) in a process group of its own, and its
-    # files in a folder of its own, so stopping it (and ray.init elsewhere) never meets another
-    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths live under it
-    head = subprocess.Popen(
-        [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
-         "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port), "--num-cpus", "4",
-         "--disable-usage-stats", "--temp-dir", temp_dir],
-        env=CLI_ENV, stdout=open(tmp_path / "ray-start.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        wait_for("Ray cluster answering `serve status`", lambda: head.poll() is None and subprocess.run(
-            [str(BIN / "serve"), "status", "--address", dashboard], env=CLI_ENV, capture_output=True,
-            timeout=60).returncode == 0, 180)
-        cli("serve", "deploy", str(deployed), "--address", dashboard)
-        wait_for("healthy app", lambda: _status(base + "/health") == 200, 300)
-        client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=300)
-        reply = client.chat.completions.create(model="tiny", messages=CHAT_SAMPLE, max_tokens=16, temperature=0)
-        assert reply.choices[0].message.content == expected[16]
-        status = yaml.safe_load(cli("serve", "status", "--address", dashboard, timeout=60))
-        assert status["applications"]["ddtree"]["status"] == "RUNNING", status
-        assert engine_replicas(dashboard) == 1
-
-        texts: list[str] = []
-
-        def stream():
-            chunks = client.chat.completions.create(model="tiny", messages=CHAT_SAMPLE, max_tokens=96, temperature=0,
-                                                    stream=True, extra_body={"speculation": {"budget": 64}})
-            texts.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
-
-        peak = 1
-        for _ in range(6):  # waves of load until the second replica runs
-            streams = [threading.Thread(target=stream) for _ in range(6)]
-            for t in streams:
-                t.start()
-            while any(t.is_alive() for t in streams):
-                peak = max(peak, engine_replicas(dashboard))
-                time.sleep(0.5)
-            if peak == 2:
-                break
-        assert peak == 2, "a second engine replica under load"
-        assert texts and all(t == expected[96] for t in texts)
-        wait_for("scale-down to one replica", lambda: engine_replicas(dashboard) == 1, 180)
-        reply = client.chat.completions.create(model="tiny", messages=CHAT_SAMPLE, max_tokens=16, temperature=0)
-        assert reply.choices[0].message.content == expected[16]
-    finally:
-        subprocess.run([str(BIN / "serve"), "shutdown", "-y", "--address", dashboard], env=CLI_ENV,
-                       capture_output=True, timeout=120)
-        os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops what it started
-        try:
-            head.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-def _status(url: str) -> int:
+def http_status(url: str) -> int:
     try:
         return httpx.get(url, timeout=10).status_code
     except httpx.HTTPError:
         return 0
+
+
+class Cluster:
+    """A `ray start --head` cluster on 127.0.0.1 and the shipped Serve config deployed on it."""
+
+    def __init__(self, model: Path, workdir: Path):
+        self.dashboard_port, self.http_port, self.gcs_port = free_port(), free_port(), free_port()
+        self.dashboard, self.base = f"http://127.0.0.1:{self.dashboard_port}", f"http://127.0.0.1:{self.http_port}"
+        self.model, self.workdir = model, workdir
+        self.client = openai.OpenAI(base_url=self.base + "/v1", api_key="unused", max_retries=0, timeout=300)
+        # in the foreground (--block), in a process group of its own, its files in a folder of its
+        # own: stopping it (and ray.init elsewhere) never meets another cluster
+        self.temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths live under it
+        self.head = subprocess.Popen(
+            [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port",
+             str(self.gcs_port), "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.dashboard_port),
+             "--num-cpus", "4", "--disable-usage-stats", "--temp-dir", self.temp_dir],
+            env=CLI_ENV, stdout=open(workdir / "ray-start.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        wait_for("Ray cluster answering `serve status`", lambda: self.head.poll() is None and subprocess.run(
+            [str(BIN / "serve"), "status", "--address", self.dashboard], env=CLI_ENV, capture_output=True,
+            timeout=60).returncode == 0, 180)
+
+    def deploy(self, **args) -> None:
+        """`serve deploy` of cluster/serve-config.yaml with the tiny model, this cluster's port,
+        short autoscaling delays and `args` over its application's args."""
+        config = yaml.safe_load((ROOT / "cluster" / "serve-config.yaml").read_text())
+        config["http_options"]["port"] = self.http_port
+        app = config["applications"][0]["args"]
+        app.update(model=str(self.model), model_name="tiny", block_size=4, engine_num_cpus=1, **args)
+        app["autoscaling"].update(min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=1,
+                                  downscale_delay_s=3, metrics_interval_s=0.5, look_back_period_s=2)
+        path = self.workdir / "serve-config.yaml"
+        path.write_text(yaml.safe_dump(config))
+        cli("serve", "deploy", str(path), "--address", self.dashboard)
+
+    def status(self) -> dict:
+        return yaml.safe_load(cli("serve", "status", "--address", self.dashboard, timeout=60))
+
+    def engine_replicas(self) -> int:
+        states = self.status()["applications"]["ddtree"]["deployments"]["DDTreeEngine"]["replica_states"]
+        return states.get("RUNNING", 0)
+
+    def stream(self, into: list, budget=64) -> None:
+        """One streamed completion of LONG tokens; appends (text, finish_reason) or the error."""
+        try:
+            chunks = self.client.chat.completions.create(
+                model="tiny", messages=CHAT_SAMPLE, max_tokens=LONG, temperature=0, stream=True,
+                extra_body={"speculation": {"budget": budget}})
+            text, finish = "", None
+            for c in chunks:
+                if c.choices:
+                    text += c.choices[0].delta.content or ""
+                    finish = c.choices[0].finish_reason or finish
+            into.append((text, finish))
+        except Exception as err:  # noqa: BLE001 -- the test reports every failed stream
+            into.append(err)
+
+    def stop(self) -> None:
+        subprocess.run([str(BIN / "serve"), "shutdown", "-y", "--address", self.dashboard], env=CLI_ENV,
+                       capture_output=True, timeout=120)
+        os.killpg(self.head.pid, signal.SIGTERM)  # `ray start --block` stops what it started
+        try:
+            self.head.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.head.pid, signal.SIGKILL)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_chat_model, tmp_path_factory):
+    running = Cluster(tiny_chat_model, tmp_path_factory.mktemp("deploy"))
+    try:
+        running.deploy()
+        wait_for("healthy app", lambda: http_status(running.base + "/health") == 200, 300)
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_chat_model) -> dict[int, str]:
+    """The in-process engine's greedy text of CHAT_SAMPLE at 16 and LONG tokens."""
+    engine = Engine.from_config(ModelPairConfig(model=str(tiny_chat_model), budget=0, block_size=4))
+    return {n: engine.generate([engine.request(engine.render_chat(CHAT_SAMPLE), n, SamplingParams())])[0].text
+            for n in (16, LONG)}
+
+
+def test_serve_deploy_of_the_shipped_config_scales_and_serves_plain_decoding(cluster, expected):
+    """Deployed with `serve deploy` on a `ray start --head` cluster (token authentication, as Ray
+    starts it), the shipped config serves the in-process engine's text through the openai
+    client; `serve status` says RUNNING; waves of six long streams bring a second engine replica,
+    every stream's text still the in-process engine's; idle, it goes back to one replica."""
+    reply = cluster.client.chat.completions.create(model="tiny", messages=CHAT_SAMPLE, max_tokens=16, temperature=0)
+    assert reply.choices[0].message.content == expected[16]
+    assert cluster.status()["applications"]["ddtree"]["status"] == "RUNNING"
+    assert cluster.engine_replicas() == 1
+
+    results: list = []
+    peak = 1
+    for _ in range(6):  # waves of load until the second replica runs
+        streams = [threading.Thread(target=cluster.stream, args=(results,)) for _ in range(6)]
+        for t in streams:
+            t.start()
+        while any(t.is_alive() for t in streams):
+            peak = max(peak, cluster.engine_replicas())
+            time.sleep(0.5)
+        if peak == 2:
+            break
+    assert peak == 2, "a second engine replica under load"
+    assert results and all(r == (expected[LONG], "length") for r in results), results
+    wait_for("scale-down to one replica", lambda: cluster.engine_replicas() == 1, 180)
+    reply = cluster.client.chat.completions.create(model="tiny", messages=CHAT_SAMPLE, max_tokens=16, temperature=0)
+    assert reply.choices[0].message.content == expected[16]
+
+
+def test_a_redeploy_with_another_default_budget_loses_no_stream(cluster, expected):
+    """`serve deploy` of a changed config (another default budget) while four clients stream
+    back to back, from before the deploy until the new replicas serve: every stream ends whole
+    (its full text, finish "length", no error) -- in-flight streams finish on the old replicas
+    -- and once the new replicas serve, requests run at the new default, with the same text."""
+    results: list = []
+    stop = threading.Event()
+
+    def client():
+        while not stop.is_set():
+            cluster.stream(results, None)
+
+    clients = [threading.Thread(target=client) for _ in range(4)]
+    for t in clients:
+        t.start()
+    try:
+        wait_for("streams running", lambda: len(results) >= 4, 120)
+        before = len(results)
+        cluster.deploy(budget=0)
+
+        def new_default() -> bool:
+            reply = cluster.client.chat.completions.create(model="tiny", messages=CHAT_SAMPLE, max_tokens=16,
+                                                           temperature=0)
+            assert reply.choices[0].message.content == expected[16]
+            return reply.usage.model_dump()["speculation"]["budget"] == 0
+
+        wait_for("the redeployed default budget", new_default, 300)
+        during = len(results) - before
+        time.sleep(2)  # and a little past it
+    finally:
+        stop.set()
+        for t in clients:
+            t.join(300)
+    assert during >= 4, "streams ran through the redeploy"
+    assert all(r == (expected[LONG], "length") for r in results), [r for r in results if r != (expected[LONG], "length")]
+    wait_for("the app RUNNING again", lambda: cluster.status()["applications"]["ddtree"]["status"] == "RUNNING", 300)
+    print(f"\n{len(results)} streams, {during} of them from the deploy to the new default, all whole")
