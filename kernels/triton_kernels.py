@@ -69,6 +69,30 @@ def tree_metadata_triton(batch: TreeBatch, start: torch.Tensor) -> TreeMeta:
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b, in IEEE fp32 when IEEE (TF32 would round fp32 inputs)."""
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One key tile of the online softmax: s [M, N] fp32 scores (-inf where a row does not see
+    the key), v [N, D] the tile's values; the running row max m_i [M], normalizer l_i [M] and
+    output acc [M, D] after it. A row that has seen nothing keeps m_i -inf, l_i 0, acc 0."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _tree_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, prefix_ptr, bits_ptr,
     stride_qb, stride_qh, stride_qq,
@@ -102,11 +126,7 @@ def _tree_attention_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         keys = offs_n < end
         k = tl.load(k_base + offs_n[None, :] * stride_ks + offs_d[:, None], mask=keys[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s.to(tl.float32) * scale
+        s = _dot(q, k, IEEE).to(tl.float32) * scale
         col = offs_n - prefix
         in_block = (col >= 0) & (col < Q)
         word = tl.load(bits_ptr + b * stride_bb + offs_m[:, None] * stride_bq + (col // 32)[None, :],
@@ -114,18 +134,8 @@ def _tree_attention_kernel(
         bit = (word >> (col % 32)[None, :]) & 1
         visible = (offs_n < prefix)[None, :] | (in_block[None, :] & (bit != 0))
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + offs_n[:, None] * stride_vs + offs_d[None, :], mask=keys[:, None], other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(o_ptr + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_oq + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=rows[:, None])
@@ -211,11 +221,7 @@ def _paged_tree_attention_kernel(
         page_id = tl.load(table_ptr + b * stride_tb + offs_n // PAGE, mask=keys, other=0).to(tl.int64)
         slot = page_id * PAGE + offs_n % PAGE
         k = tl.load(k_base + slot[None, :] * stride_kt + offs_d[:, None], mask=keys[None, :], other=0.0)
-        if IEEE:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s.to(tl.float32) * scale
+        s = _dot(q, k, IEEE).to(tl.float32) * scale
         col = offs_n - length
         in_block = keys & (col >= 0)
         col = tl.where(in_block, col, 0)
@@ -225,18 +231,8 @@ def _paged_tree_attention_kernel(
         sees_block = tl.where(is_real[:, None], bit, col[None, :] == row[:, None])
         visible = (is_real[:, None] & (keys & (offs_n < length))[None, :]) | (in_block[None, :] & sees_block)
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_base + slot[:, None] * stride_vt + offs_d[None, :], mask=keys[:, None], other=0.0)
-        if IEEE:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, IEEE)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     o_rows = o_ptr + b * stride_ob + head[:, None] * stride_oh + row[:, None] * stride_oq + split * stride_os
     tl.store(o_rows + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=in_q[:, None])
