@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
@@ -155,10 +156,50 @@ def sampling_for(seeded: bool, prompt_index: int) -> SamplingParams:
     return SEEDED.model_copy(update={"seed": SEED_BASE + prompt_index}) if seeded else SamplingParams()
 
 
+def generate_recorded(engine, requests: list[Request]) -> tuple[list, list[list]]:
+    """The requests as one batch on the engine's scheduler, recording every verify pass: (results,
+    per request its rounds' workers.scheduler.VerifyRecord in order)."""
+    scheduler = engine.scheduler
+    records: dict[int, list] = {}
+    scheduler.on_verify = lambda rows: [records.setdefault(r.seq_id, []).append(r) for r in rows]
+    try:
+        ids = [scheduler.add(r) for r in requests]
+        results: dict[int, object] = {}
+        while len(results) < len(ids):
+            for seq_id, update in scheduler.step():
+                if update.result is not None:
+                    results[seq_id] = update.result
+    finally:
+        scheduler.on_verify = None
+    return [results[i] for i in ids], [records.get(i, []) for i in ids]
+
+
+def diverging_round(rounds: list, position: int):
+    """The recorded round that emitted completion position `position` (None: the prefill's)."""
+    for r in rounds:
+        if r.emitted <= position < r.emitted + len(r.path):
+            return r
+    return None
+
+
+def round_json(r) -> dict:
+    """A verify row as JSON: the tree, its padding, mask, positions and accepted path."""
+    tree = r.tree
+    return {"emitted_before": r.emitted, "q_len": r.q_len, "real_rows": tree.size,
+            "padding_rows": list(range(tree.size, r.q_len)),
+            "tokens": tree.tokens.tolist(), "parents": tree.parents.tolist(), "depths": tree.depths.tolist(),
+            "scores": tree.scores.tolist() if tree.scores is not None else None,
+            "sources": tree.sources.tolist() if tree.sources is not None else None,
+            "positions": r.positions, "mask": [[int(v) for v in row] for row in r.mask],
+            "accepted_path": r.path, "bonus": r.bonus}
+
+
 def run_audit(engine, prompts: list[list[int]], settings: list[Setting], max_tokens: int,
-              progress: Callable[[], None] = lambda: None) -> AuditReport:
+              progress: Callable[[], None] = lambda: None, dump_dir: Path | None = None) -> AuditReport:
     """Runs every setting over every prompt on `engine` (in process) and compares each output with
-    the same request's plain decoding alone. `progress` is called once per completion run."""
+    the same request's plain decoding alone. `progress` is called once per completion run. With
+    `dump_dir`, a batch that diverged runs again recording its verify passes, and each difference's
+    round (tree, padding, mask, positions, accepted path) is written there as JSON."""
     model = engine.target.model
     report = AuditReport([s.label for s in settings], len(prompts), max_tokens, str(model.dtype).removeprefix("torch."))
 
@@ -191,7 +232,30 @@ def run_audit(engine, prompts: list[list[int]], settings: list[Setting], max_tok
                     i, setting.label, at, reference[at] if at < len(reference) else None,
                     result.tokens[at] if at < len(result.tokens) else None, gap, threshold,
                     "near-tie" if gap < threshold else "real"))
+            if dump_dir is not None and any(d.setting == setting.label and d.prompt in batch
+                                            for d in report.differences):
+                dump(engine, [request(i, setting.seeded, setting.budget, setting.topk, setting.lookup) for i in batch],
+                     batch, references, setting, Path(dump_dir))
     return report
+
+
+def dump(engine, requests: list[Request], batch: list[int], references: dict, setting: Setting, dump_dir: Path) -> None:
+    """Runs a diverging batch again, recording its verify passes, and writes each request's first
+    difference with the round that emitted it: dump_dir/prompt<i>-<setting>.json."""
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    results, rounds = generate_recorded(engine, requests)
+    for i, result, recorded in zip(batch, results, rounds):
+        reference = references[i, setting.seeded]
+        at = first_difference(reference, result.tokens)
+        if at is None:
+            continue
+        diverged = diverging_round(recorded, at)
+        slug = "".join(c if c.isalnum() else "-" for c in setting.label).strip("-")
+        (dump_dir / f"prompt{i}-{slug}.json").write_text(json.dumps({
+            "prompt": i, "setting": setting.label, "position": at,
+            "reference_token": reference[at] if at < len(reference) else None,
+            "token": result.tokens[at] if at < len(result.tokens) else None,
+            "round": None if diverged is None else round_json(diverged)}, indent=1))
 
 
 def markdown(report: AuditReport) -> str:

@@ -230,7 +230,8 @@ def _audit(args: argparse.Namespace) -> int:
     prompts = [engine.render_chat([{"role": "user", "content": t}]) for t in texts]
     runs = len(prompts) * (len(set(seeded)) + len(settings))
     with tqdm(total=runs, desc="completions", unit="run") as bar:
-        report = audit.run_audit(engine, prompts, settings, args.max_tokens, progress=lambda: bar.update(1))
+        report = audit.run_audit(engine, prompts, settings, args.max_tokens, progress=lambda: bar.update(1),
+                                 dump_dir=args.dump)
     print(f"{len(prompts)} prompts from {args.prompts}, {args.max_tokens} new tokens, {report.dtype}: "
           f"{report.compared} completions against plain decoding alone")
     print(audit.markdown(report))
@@ -514,6 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("--streams", default="1,8", help="comma-separated: requests batched together")
     add_field_flags(aud.add_argument_group("ModelPairConfig fields"), ModelPairConfig, BENCH_FIELDS)
     aud.add_argument("--json", help="write the summary and every difference here")
+    aud.add_argument("--dump", help="a folder: each difference's round (tree, padding, mask, positions, accepted "
+                     "path) as JSON, from the diverging batch run again")
     aud.set_defaults(func=_audit)
 
     train = sub.add_parser("train-drafter", help="self-distil a DFlash drafter (resumable stages)")

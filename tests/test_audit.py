@@ -10,7 +10,7 @@ import torch
 
 from ddtree import audit
 from ddtree.cli import main
-from ddtree.kernels.tree_batch import TreeMeta, pack_bits
+from ddtree.kernels.tree_batch import TreeMeta, pack_bits, unpack_bits
 
 PROMPTS = ["Count to five.", "What is two plus two?", "Name a colour.", "Say hello in French."]
 
@@ -54,9 +54,11 @@ def test_an_audit_of_a_tiny_pair_finds_every_output_the_targets(tiny_chat_model,
 
 def test_padding_rows_visible_to_real_rows_make_the_audit_fail(tiny_chat_model, prompt_file, tmp_path, monkeypatch,
                                                               capsys):
-    """The seeds' bug put back: every row of a verify block sees every other row of its block,
-    padding and siblings included, as when a padded tree's mask was not reset. The audit must say
-    so: exit 1, the difference listed as real with a gap far above the threshold."""
+    """The seeds' bug put back, in their configuration (budget 16, topk 1: a chain padded to 17
+    rows): every row of a verify block sees the block's padding rows, as when a padded tree's
+    mask was not reset. The audit must say so: exit 1, the difference listed as real with a gap
+    far above the threshold, and its dump shows the diverging round -- the chain, its padding
+    rows, and real rows whose mask sees them."""
     from ddtree.workers import scheduler
 
     real_metadata = scheduler.tree_metadata
@@ -64,16 +66,27 @@ def test_padding_rows_visible_to_real_rows_make_the_audit_fail(tiny_chat_model, 
     def leaky_metadata(batch, start):
         meta = real_metadata(batch, start)
         b, q_len = batch.parents.shape
-        everything = torch.ones(b, q_len, q_len, dtype=torch.bool)
-        return TreeMeta(meta.depths, meta.positions, pack_bits(everything).to(meta.bits.device))
+        mask = unpack_bits(meta.bits.cpu(), q_len)
+        mask |= torch.arange(q_len)[None, None, :] >= batch.sizes.cpu()[:, None, None]  # padding columns
+        return TreeMeta(meta.depths, meta.positions, pack_bits(mask).to(meta.bits.device))
 
     monkeypatch.setattr(scheduler, "tree_metadata", leaky_metadata)
-    out = tmp_path / "audit.json"
+    out, dumps = tmp_path / "audit.json", tmp_path / "dump"
     code = main(["audit", "--prompts", str(prompt_file), "--limit", "2", "--max-tokens", "8", "--budgets", "16",
-                 "--sampling", "greedy", "--streams", "2", "--model", str(tiny_chat_model), "--json", str(out)])
+                 "--topk", "1", "--sampling", "greedy", "--streams", "2", "--model", str(tiny_chat_model),
+                 "--json", str(out), "--dump", str(dumps)])
     summary = json.loads(out.read_text())
     assert code == 1
     assert summary["real"] >= 1
     real = [d for d in summary["differences"] if d["verdict"] == "real"]
-    assert all(d["gap"] > d["threshold"] and d["setting"] == "budget 16, greedy, 2 streams" for d in real)
+    assert all(d["gap"] > d["threshold"] and d["setting"] == "budget 16, topk 1, greedy, 2 streams" for d in real)
     assert "real divergence" in capsys.readouterr().out
+    for d in real:
+        dumped = json.loads((dumps / f"prompt{d['prompt']}-budget-16--topk-1--greedy--2-streams.json").read_text())
+        # (run again, the batch may diverge elsewhere: the leak reads whatever the pool held there)
+        assert dumped["token"] != dumped["reference_token"]
+        r = dumped["round"]
+        assert r["q_len"] == 17 and r["padding_rows"] == list(range(r["real_rows"], 17))
+        assert max(r["parents"][1:], default=0) < r["real_rows"]  # a chain of real nodes
+        sees_padding = [i for i in range(r["real_rows"]) if any(r["mask"][i][j] for j in r["padding_rows"])]
+        assert sees_padding, "the dump shows real rows seeing the padding"

@@ -44,7 +44,7 @@ import torch
 from ..kernels.batched import tree_metadata, walk_batch
 from ..kernels.sampling import draw_seed
 from ..kernels.tree import Candidates, Lookup, Tree, grow_tree
-from ..kernels.tree_batch import TreeBatch
+from ..kernels.tree_batch import TreeBatch, unpack_bits
 from .batch_backends import BatchDrafter, BatchTarget, DraftRows, LocalBatchDrafter, LocalBatchTarget, TargetBatch
 from .requests import (Budget, Request, Result, RoundStats, Update, accepted_sources, check_budget, check_request, check_stop,
                        kept_per_depth, tree_rows)
@@ -209,6 +209,20 @@ class StepPlan:
 
 
 @dataclass
+class VerifyRecord:
+    """One row of a verify pass, as the target saw it (Scheduler.on_verify)."""
+
+    seq_id: int
+    emitted: int  # completion tokens the sequence had before this round (its root is the last)
+    tree: Tree  # the real nodes: tokens, parents, depths, scores, sources
+    q_len: int  # rows the pass held for it: tree.size real, the rest padding
+    positions: list[int]  # [Q] each row's position (padding: the root's)
+    mask: list[list[bool]]  # [Q, Q] row i sees block row j
+    path: list[int]  # the accepted nodes, root first
+    bonus: int  # the target's token after the path
+
+
+@dataclass
 class StepOutcome:
     """What the verify pass accepted."""
 
@@ -262,6 +276,8 @@ class Scheduler:
         self._next_id = 0
         self.preemptions = 0  # sequences preempted so far (their pages freed, recomputed later)
         self.cancelled = 0  # sequences that left because their request was cancelled
+        # called with each verify pass's rows, when set (ddtree audit's --dump): a VerifyRecord per row
+        self.on_verify: Callable[[list[VerifyRecord]], None] | None = None
 
     @classmethod
     def local(cls, model, drafter=None, budget: Budget = 0, limits: BatchLimits = BatchLimits(),
@@ -573,6 +589,11 @@ class Scheduler:
         # the accepted paths' target features in one gather, each row's a view of it
         features = None if out.features is None else list(out.features[
             torch.arange(len(rows))[:, None].expand(-1, width)[kept], paths[:, :width][kept]].split(lengths))
+        if self.on_verify is not None:
+            mask, positions = unpack_bits(meta.bits.cpu(), plan.q_len), meta.positions.cpu()
+            self.on_verify([VerifyRecord(s.id, len(s.output), t, plan.q_len, positions[b].tolist(), mask[b].tolist(),
+                                         paths[b, :lengths[b]].tolist(), bonus[b])
+                            for b, (s, t) in enumerate(zip(seqs, trees))])
         return StepOutcome(paths, lengths, bonus, features, t1 - t0, time.perf_counter() - t1)
 
     def _commit(self, row: _Row, plan: StepPlan, outcome: StepOutcome, path: torch.Tensor, bonus: int,
