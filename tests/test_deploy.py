@@ -5,6 +5,7 @@ deployed again with another setting while streams run."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -75,14 +76,16 @@ class Cluster:
             [str(BIN / "serve"), "status", "--address", self.dashboard], env=CLI_ENV, capture_output=True,
             timeout=60).returncode == 0, 180)
 
-    def deploy(self, **args) -> None:
+    def deploy(self, replicas: tuple[int, int] = (1, 2), **args) -> None:
         """`serve deploy` of cluster/serve-config.yaml with the tiny model, this cluster's port,
-        short autoscaling delays and `args` over its application's args."""
+        short autoscaling delays between `replicas` (min, max) and `args` over its application's
+        args."""
         config = yaml.safe_load((ROOT / "cluster" / "serve-config.yaml").read_text())
         config["http_options"]["port"] = self.http_port
         app = config["applications"][0]["args"]
         app.update(model=str(self.model), model_name="tiny", block_size=4, engine_num_cpus=1, **args)
-        app["autoscaling"].update(min_replicas=1, max_replicas=2, target_ongoing_requests=1, upscale_delay_s=1,
+        app["autoscaling"].update(min_replicas=replicas[0], max_replicas=replicas[1], target_ongoing_requests=1,
+                                  upscale_delay_s=1,
                                   downscale_delay_s=3, metrics_interval_s=0.5, look_back_period_s=2)
         path = self.workdir / "serve-config.yaml"
         path.write_text(yaml.safe_dump(config))
@@ -92,8 +95,8 @@ class Cluster:
         return yaml.safe_load(cli("serve", "status", "--address", self.dashboard, timeout=60))
 
     def engine_replicas(self) -> int:
-        states = self.status()["applications"]["ddtree"]["deployments"]["DDTreeEngine"]["replica_states"]
-        return states.get("RUNNING", 0)
+        deployments = self.status()["applications"].get("ddtree", {}).get("deployments", {})
+        return deployments.get("DDTreeEngine", {}).get("replica_states", {}).get("RUNNING", 0)  # (none mid-deploy)
 
     def stream(self, into: list, budget=64) -> None:
         """One streamed completion of LONG tokens; appends (text, finish_reason) or the error."""
@@ -109,6 +112,13 @@ class Cluster:
             into.append((text, finish))
         except Exception as err:  # noqa: BLE001 -- the test reports every failed stream
             into.append(err)
+
+    def engine_pids(self) -> list[int]:
+        """The processes of this cluster's engine replicas (its own process session: the session's
+        other Ray cluster may run an app of the same name)."""
+        ps = subprocess.run(["ps", "-eo", "pid=,sid=,args="], capture_output=True, text=True).stdout
+        return [int(pid) for pid, sid, *cmd in (line.split(None, 2) for line in ps.splitlines())
+                if int(sid) == self.head.pid and cmd and cmd[0].startswith("ray::ServeReplica:ddtree:DDTreeEngine")]
 
     def stop(self) -> None:
         subprocess.run([str(BIN / "serve"), "shutdown", "-y", "--address", self.dashboard], env=CLI_ENV,
@@ -205,3 +215,63 @@ def test_a_redeploy_with_another_default_budget_loses_no_stream(cluster, expecte
     assert all(r == (expected[LONG], "length") for r in results), [r for r in results if r != (expected[LONG], "length")]
     wait_for("the app RUNNING again", lambda: cluster.status()["applications"]["ddtree"]["status"] == "RUNNING", 300)
     print(f"\n{len(results)} streams, {during} of them from the deploy to the new default, all whole")
+
+
+def read_sse(url: str, body: dict, into: list, started: threading.Event) -> None:
+    """One raw SSE stream: appends {"text", "finish", "error", "done"} once it ends."""
+    text, finish, error, done = "", None, None, False
+    with httpx.stream("POST", url, json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event["error"]
+            for choice in event.get("choices", []):
+                text += choice["delta"].get("content") or ""
+                finish = choice.get("finish_reason") or finish
+            if text:
+                started.set()
+    into.append({"text": text, "finish": finish, "error": error, "done": done})
+
+
+def test_a_killed_engine_replica_ends_only_its_own_streams_with_an_error(cluster, tiny_chat_model):
+    """Two engine replicas under eight long streams; one replica's process is killed mid-stream.
+    Only the streams it served end with an error event (then [DONE]) -- never cut short without
+    one, never a wrong token; the others finish whole with plain decoding's text; new requests
+    succeed on the survivor at once; the killed replica is replaced."""
+    cluster.deploy(replicas=(2, 2), budget=0)
+    wait_for("two engine replicas", lambda: cluster.engine_replicas() == 2 and len(cluster.engine_pids()) == 2, 300)
+    engine = Engine.from_config(ModelPairConfig(model=str(tiny_chat_model), budget=0, block_size=4))
+    plain = engine.generate([engine.request(engine.render_chat(CHAT_SAMPLE), 200, SamplingParams())])[0].text
+    # the untrained drafter at budget 64: one token per 65-row verify, slow on purpose
+    body = {"model": "tiny", "messages": CHAT_SAMPLE, "max_tokens": 200, "temperature": 0, "stream": True,
+            "speculation": {"budget": 64}}
+    results: list[dict] = []
+    started = [threading.Event() for _ in range(8)]
+    streams = [threading.Thread(target=read_sse, args=(cluster.base + "/v1/chat/completions", body, results, s))
+               for s in started]
+    for t in streams:
+        t.start()
+    assert all(s.wait(120) for s in started), "every stream under way"
+    victim = cluster.engine_pids()[0]
+    os.kill(victim, signal.SIGKILL)
+    after = [cluster.client.chat.completions.create(model="tiny", messages=CHAT_SAMPLE, max_tokens=16, temperature=0)
+             for _ in range(4)]  # new requests, at once
+    for t in streams:
+        t.join(300)
+    whole = [r for r in results if r["error"] is None]
+    cut = [r for r in results if r["error"] is not None]
+    assert len(results) == 8 and all(r["done"] for r in results), results
+    assert all(r["text"] == plain and r["finish"] == "length" for r in whole), whole
+    assert cut, "the killed replica was serving some streams"
+    assert all(plain.startswith(r["text"]) and r["finish"] is None for r in cut), cut  # no wrong token
+    assert whole, "the survivor's streams finished"
+    assert all(a.choices[0].message.content == plain[:len(a.choices[0].message.content)] for a in after)
+    wait_for("the killed replica replaced",
+             lambda: cluster.engine_replicas() == 2 and victim not in cluster.engine_pids(), 300)
+    print(f"\nkilled one of two engine replicas under 8 streams: {len(cut)} ended with an error event, "
+          f"{len(whole)} finished whole; 4 new requests served at once")
