@@ -113,12 +113,15 @@ class Cluster:
         except Exception as err:  # noqa: BLE001 -- the test reports every failed stream
             into.append(err)
 
-    def engine_pids(self) -> list[int]:
-        """The processes of this cluster's engine replicas (its own process session: the session's
-        other Ray cluster may run an app of the same name)."""
+    def pids(self, title: str) -> list[int]:
+        """This cluster's processes whose title starts with `title` (its own process session: the
+        test run's other Ray cluster may run actors of the same names)."""
         ps = subprocess.run(["ps", "-eo", "pid=,sid=,args="], capture_output=True, text=True).stdout
         return [int(pid) for pid, sid, *cmd in (line.split(None, 2) for line in ps.splitlines())
-                if int(sid) == self.head.pid and cmd and cmd[0].startswith("ray::ServeReplica:ddtree:DDTreeEngine")]
+                if int(sid) == self.head.pid and cmd and cmd[0].startswith(title)]
+
+    def engine_pids(self) -> list[int]:
+        return self.pids("ray::ServeReplica:ddtree:DDTreeEngine")
 
     def stop(self) -> None:
         subprocess.run([str(BIN / "serve"), "shutdown", "-y", "--address", self.dashboard], env=CLI_ENV,
@@ -275,3 +278,48 @@ def test_a_killed_engine_replica_ends_only_its_own_streams_with_an_error(cluster
              lambda: cluster.engine_replicas() == 2 and victim not in cluster.engine_pids(), 300)
     print(f"\nkilled one of two engine replicas under 8 streams: {len(cut)} ended with an error event, "
           f"{len(whole)} finished whole; 4 new requests served at once")
+
+
+def test_the_data_plane_outlives_its_controller_and_recovers_from_a_killed_proxy(cluster, expected):
+    """Serve's controller killed while streams run: the proxy and replicas keep serving (every
+    stream whole, new requests answered while it is gone), and a new controller answers
+    `serve status` again. The HTTP proxy killed: requests fail only until Serve starts another,
+    within a bound (stated), and then are answered with plain decoding's text."""
+    body = {"model": "tiny", "messages": CHAT_SAMPLE, "max_tokens": LONG, "temperature": 0, "stream": True}
+    results: list[dict] = []
+    started = [threading.Event() for _ in range(4)]
+    streams = [threading.Thread(target=read_sse, args=(cluster.base + "/v1/chat/completions", body, results, s))
+               for s in started]
+    for t in streams:
+        t.start()
+    [controller] = cluster.pids("ray::ServeController")
+    os.kill(controller, signal.SIGKILL)
+    killed = time.monotonic()
+    replies = [cluster.client.chat.completions.create(model="tiny", messages=CHAT_SAMPLE, max_tokens=16, temperature=0)
+               for _ in range(4)]  # while the controller is gone or restarting
+    for t in streams:
+        t.join(300)
+    assert all(r["done"] and r["error"] is None and r["text"] == expected[LONG] for r in results), results
+    assert all(r.choices[0].message.content == expected[16] for r in replies)
+    wait_for("a new controller", lambda: subprocess.run(
+        [str(BIN / "serve"), "status", "--address", cluster.dashboard], env=CLI_ENV, capture_output=True,
+        timeout=60).returncode == 0 and controller not in cluster.pids("ray::ServeController"), 300)
+    controller_s = time.monotonic() - killed
+
+    [proxy] = cluster.pids("ray::ProxyActor")
+    os.kill(proxy, signal.SIGKILL)
+    killed = time.monotonic()
+
+    def answered() -> bool:
+        try:
+            reply = cluster.client.with_options(timeout=10).chat.completions.create(
+                model="tiny", messages=CHAT_SAMPLE, max_tokens=16, temperature=0)
+        except openai.APIError:
+            return False
+        assert reply.choices[0].message.content == expected[16]
+        return True
+
+    wait_for("requests answered after the proxy was killed", answered, 180)
+    proxy_s = time.monotonic() - killed
+    print(f"\ncontroller killed: streams and requests served throughout, `serve status` back in {controller_s:.1f} s; "
+          f"proxy killed: requests answered again in {proxy_s:.1f} s")
