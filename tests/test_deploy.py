@@ -5,6 +5,7 @@ deployed again with another setting while streams run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -126,11 +127,16 @@ class Cluster:
     def stop(self) -> None:
         subprocess.run([str(BIN / "serve"), "shutdown", "-y", "--address", self.dashboard], env=CLI_ENV,
                        capture_output=True, timeout=120)
-        os.killpg(self.head.pid, signal.SIGTERM)  # `ray start --block` stops what it started
-        try:
-            self.head.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.head.pid, signal.SIGKILL)
+        # every process of its session at once (a SIGTERM to `ray start --block` first waits 30 s
+        # for the node to drain); `ray start` last, so that it reaps the processes it started
+        for pid in self.pids(""):
+            if pid != self.head.pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(AssertionError):
+            wait_for("the cluster's processes reaped", lambda: self.pids("") == [self.head.pid], 10)
+        self.head.kill()
+        self.head.wait(60)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
