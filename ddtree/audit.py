@@ -160,18 +160,13 @@ def generate_recorded(engine, requests: list[Request]) -> tuple[list, list[list]
     """The requests as one batch on the engine's scheduler, recording every verify pass: (results,
     per request its rounds' workers.scheduler.VerifyRecord in order)."""
     scheduler = engine.scheduler
-    records: dict[int, list] = {}
-    scheduler.on_verify = lambda rows: [records.setdefault(r.seq_id, []).append(r) for r in rows]
+    records: dict[int, list] = {}  # id(request) -> its rounds
+    scheduler.on_verify = lambda rows: [records.setdefault(id(r.request), []).append(r) for r in rows]
     try:
-        ids = [scheduler.add(r) for r in requests]
-        results: dict[int, object] = {}
-        while len(results) < len(ids):
-            for seq_id, update in scheduler.step():
-                if update.result is not None:
-                    results[seq_id] = update.result
+        results = scheduler.generate(requests)
     finally:
         scheduler.on_verify = None
-    return [results[i] for i in ids], [records.get(i, []) for i in ids]
+    return results, [records.get(id(r), []) for r in requests]
 
 
 def diverging_round(rounds: list, position: int):

@@ -462,13 +462,7 @@ def test_topk_bounds_every_nodes_children_and_changes_no_token(tiny_checkpoint, 
         r.topk = topk if i % 2 else None  # half ask for it, half take the engine's default
     scheduler = Scheduler.local(target, drafter, 0, BatchLimits(max_num_seqs=6), topk=topk)
     trees = []
-    original = scheduler._commit
-
-    def commit(row, *args):
-        trees.append((row.seq.budget, row.tree))
-        return original(row, *args)
-
-    scheduler._commit = commit
+    scheduler.on_verify = lambda rows: trees.extend((r.request.budget, r.tree) for r in rows)
     results = scheduler.generate(requests)
     plain = Scheduler.local(target, drafter, 0).generate([Request(r.prompt, r.max_tokens, sampling=r.sampling)
                                                           for r in requests])

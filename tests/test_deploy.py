@@ -153,10 +153,10 @@ def cluster(tiny_chat_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(tiny_chat_model) -> dict[int, str]:
-    """The in-process engine's greedy text of CHAT_SAMPLE at 16 and LONG tokens."""
+    """The in-process engine's greedy text of CHAT_SAMPLE at 16, LONG and 200 tokens."""
     engine = Engine.from_config(ModelPairConfig(model=str(tiny_chat_model), budget=0, block_size=4))
     return {n: engine.generate([engine.request(engine.render_chat(CHAT_SAMPLE), n, SamplingParams())])[0].text
-            for n in (16, LONG)}
+            for n in (16, LONG, 200)}
 
 
 def test_serve_deploy_of_the_shipped_config_scales_and_serves_plain_decoding(cluster, expected):
@@ -247,24 +247,29 @@ def read_sse(url: str, body: dict, into: list, started: threading.Event) -> None
     into.append({"text": text, "finish": finish, "error": error, "done": done})
 
 
-def test_a_killed_engine_replica_ends_only_its_own_streams_with_an_error(cluster, tiny_chat_model):
+def start_streams(url: str, body: dict, n: int) -> tuple[list[threading.Thread], list[dict], list[threading.Event]]:
+    """`n` SSE streams of `body` in threads: (the threads, their results as they end, one event
+    each set once its first text arrived)."""
+    results: list[dict] = []
+    started = [threading.Event() for _ in range(n)]
+    streams = [threading.Thread(target=read_sse, args=(url, body, results, s)) for s in started]
+    for t in streams:
+        t.start()
+    return streams, results, started
+
+
+def test_a_killed_engine_replica_ends_only_its_own_streams_with_an_error(cluster, expected):
     """Two engine replicas under eight long streams; one replica's process is killed mid-stream.
     Only the streams it served end with an error event (then [DONE]) -- never cut short without
     one, never a wrong token; the others finish whole with plain decoding's text; new requests
     succeed on the survivor at once; the killed replica is replaced."""
     cluster.deploy(replicas=(2, 2), budget=0)
     wait_for("two engine replicas", lambda: cluster.engine_replicas() == 2 and len(cluster.engine_pids()) == 2, 300)
-    engine = Engine.from_config(ModelPairConfig(model=str(tiny_chat_model), budget=0, block_size=4))
-    plain = engine.generate([engine.request(engine.render_chat(CHAT_SAMPLE), 200, SamplingParams())])[0].text
+    plain = expected[200]
     # the untrained drafter at budget 64: one token per 65-row verify, slow on purpose
     body = {"model": "tiny", "messages": CHAT_SAMPLE, "max_tokens": 200, "temperature": 0, "stream": True,
             "speculation": {"budget": 64}}
-    results: list[dict] = []
-    started = [threading.Event() for _ in range(8)]
-    streams = [threading.Thread(target=read_sse, args=(cluster.base + "/v1/chat/completions", body, results, s))
-               for s in started]
-    for t in streams:
-        t.start()
+    streams, results, started = start_streams(cluster.base + "/v1/chat/completions", body, 8)
     assert all(s.wait(120) for s in started), "every stream under way"
     victim = cluster.engine_pids()[0]
     os.kill(victim, signal.SIGKILL)
@@ -279,7 +284,7 @@ def test_a_killed_engine_replica_ends_only_its_own_streams_with_an_error(cluster
     assert cut, "the killed replica was serving some streams"
     assert all(plain.startswith(r["text"]) and r["finish"] is None for r in cut), cut  # no wrong token
     assert whole, "the survivor's streams finished"
-    assert all(a.choices[0].message.content == plain[:len(a.choices[0].message.content)] for a in after)
+    assert all(a.choices[0].message.content == expected[16] for a in after)
     wait_for("the killed replica replaced",
              lambda: cluster.engine_replicas() == 2 and victim not in cluster.engine_pids(), 300)
     print(f"\nkilled one of two engine replicas under 8 streams: {len(cut)} ended with an error event, "
@@ -292,12 +297,8 @@ def test_the_data_plane_outlives_its_controller_and_recovers_from_a_killed_proxy
     `serve status` again. The HTTP proxy killed: requests fail only until Serve starts another,
     within a bound (stated), and then are answered with plain decoding's text."""
     body = {"model": "tiny", "messages": CHAT_SAMPLE, "max_tokens": LONG, "temperature": 0, "stream": True}
-    results: list[dict] = []
-    started = [threading.Event() for _ in range(4)]
-    streams = [threading.Thread(target=read_sse, args=(cluster.base + "/v1/chat/completions", body, results, s))
-               for s in started]
-    for t in streams:
-        t.start()
+    streams, results, started = start_streams(cluster.base + "/v1/chat/completions", body, 4)
+    assert all(s.wait(120) for s in started), "every stream under way"
     [controller] = cluster.pids("ray::ServeController")
     os.kill(controller, signal.SIGKILL)
     killed = time.monotonic()

@@ -213,6 +213,7 @@ class VerifyRecord:
     """One row of a verify pass, as the target saw it (Scheduler.on_verify)."""
 
     seq_id: int
+    request: Request  # the request the row serves
     emitted: int  # completion tokens the sequence had before this round (its root is the last)
     tree: Tree  # the real nodes: tokens, parents, depths, scores, sources
     q_len: int  # rows the pass held for it: tree.size real, the rest padding
@@ -449,10 +450,11 @@ class Scheduler:
                                                  outcome.features or [None] * len(rows)):
             self._commit(row, plan, outcome, path[:n], bonus, features)
         rest_s = time.perf_counter() - started - outcome.verify_s - plan.draft_s
+        nodes = sum(r.tree.size - 1 for r in rows)
         self.policy.observe_step(len(rows), plan.q_len, outcome.verify_s, plan.drafted, plan.draft_s, rest_s,
-                                 sum(r.tree.size - 1 for r in rows), plan.context)
+                                 nodes, plan.context)
         if self.policy.misfit() and any(r.seq.budget == "auto" for r in rows):
-            self._recalibrate(len(rows) + sum(r.tree.size - 1 for r in rows))
+            self._recalibrate(len(rows) + nodes)
         return [r.seq for r in rows]
 
     def _plan(self, rows: list[_Row]) -> StepPlan:
@@ -591,7 +593,7 @@ class Scheduler:
             torch.arange(len(rows))[:, None].expand(-1, width)[kept], paths[:, :width][kept]].split(lengths))
         if self.on_verify is not None:
             mask, positions = unpack_bits(meta.bits.cpu(), plan.q_len), meta.positions.cpu()
-            self.on_verify([VerifyRecord(s.id, len(s.output), t, plan.q_len, positions[b].tolist(), mask[b].tolist(),
+            self.on_verify([VerifyRecord(s.id, s.request, len(s.output), t, plan.q_len, positions[b].tolist(), mask[b].tolist(),
                                          paths[b, :lengths[b]].tolist(), bonus[b])
                             for b, (s, t) in enumerate(zip(seqs, trees))])
         return StepOutcome(paths, lengths, bonus, features, t1 - t0, time.perf_counter() - t1)
