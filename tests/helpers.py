@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import socket
+import sys
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ def benchmark_script(name: str):
     path = BENCHMARKS / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"{name}_script", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass's module must be importable by its name
     spec.loader.exec_module(module)
     return module
 
