@@ -31,7 +31,7 @@ from openai.types.chat import chat_completion, chat_completion_chunk
 from openai.types.shared import ErrorObject
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, field_validator
 from ray import serve
-from ray.exceptions import ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError, TaskCancelledError
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -295,7 +295,11 @@ def _validation_message(err: RequestValidationError) -> tuple[str, str | None]:
 
 def engine_failure(err: BaseException) -> tuple[int, str]:
     """An engine call that raised -> (status, message). The message names no exception class:
-    a replica that stopped is a 503 the client may retry; anything else is logged, and a 500."""
+    a replica that stopped is a 503 the client may retry; a call cancelled because its client went
+    away (Serve cancels a request's engine calls with it) is answered to nobody, a 499 unlogged;
+    anything else is logged, and a 500."""
+    if isinstance(err, (TaskCancelledError, asyncio.CancelledError)):
+        return 499, "the client closed the request"
     if isinstance(err, (RayActorError, ActorUnavailableError, ReplicaUnavailableError, DeploymentUnavailableError)):
         return 503, "the engine replica serving this request stopped; retry the request"
     logger.error("ddtree: a request failed", exc_info=err)
@@ -375,8 +379,11 @@ class GuardMiddleware:
 
             async def replay():
                 nonlocal replayed
-                if replayed:
-                    return await receive()  # after the body: the disconnect, when it comes
+                if replayed:  # after the body: the disconnect, when it comes
+                    try:
+                        return await receive()
+                    except TaskCancelledError:  # Serve's word that the client went away
+                        return {"type": "http.disconnect"}
                 replayed = True
                 return {"type": "http.request", "body": body, "more_body": False}
 
