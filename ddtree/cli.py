@@ -66,6 +66,16 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_fields(path: str) -> dict:
+    """The ServeConfig fields of a YAML: the file itself, or a Serve config file's first
+    application's `args`."""
+    import yaml
+
+    with open(path) as f:
+        loaded = yaml.safe_load(f) or {}
+    return loaded["applications"][0].get("args", {}) if "applications" in loaded else loaded
+
+
 def _serve_config(args: argparse.Namespace):
     """ServeConfig from --config (ServeConfig fields, or a Serve config file whose first
     application's `args` are) with the command-line flags on top."""
@@ -73,11 +83,7 @@ def _serve_config(args: argparse.Namespace):
 
     from .serve.config import ServeConfig
 
-    fields: dict = {}
-    if args.config:
-        with open(args.config) as f:
-            loaded = yaml.safe_load(f) or {}
-        fields = loaded["applications"][0].get("args", {}) if "applications" in loaded else loaded
+    fields = _serve_fields(args.config) if args.config else {}
     fields.update(field_values(args, SERVE_FIELDS))
     keys = list(getattr(args, "api_key", None) or [])
     keys += [k.strip() for k in os.environ.get("DDTREE_API_KEY", "").split(",") if k.strip()]
@@ -254,14 +260,41 @@ def _load_bench(args: argparse.Namespace, config, budgets: list) -> int:
     except ValueError:
         print("ddtree bench: --concurrency takes comma-separated integers, e.g. 1,4,16,64", file=sys.stderr)
         return 2
+    if args.beside_engine and not args.url:
+        print("ddtree bench: --beside-engine runs the engine in process beside a server: give its --url", file=sys.stderr)
+        return 2
+    if args.server_config and not args.beside_engine:
+        print("ddtree bench: --server-config describes the engine --beside-engine builds", file=sys.stderr)
+        return 2
     texts = read_prompts(args.prompts, args.limit)
     cells = [(b, c) for b in budgets for c in levels]
-    rows = []
+    rows, beside = [], []
     if args.url:
+        model = args.served_model or load_bench.served_model(args.url, args.api_key)
+        engine, prompts = None, None
+        if args.beside_engine:
+            from .engine import Engine
+            from .serve.config import ServeConfig
+
+            try:
+                fields = _serve_fields(args.server_config) if args.server_config else {}
+                served = ServeConfig.model_validate({**fields, **field_values(args, BENCH_FIELDS)})
+            except (OSError, ValueError, KeyError, ValidationError) as err:
+                print(f"ddtree bench: --server-config: {err}", file=sys.stderr)
+                return 2
+            # the server's engine, in this process: the same model pair, batch limits and budget
+            engine = Engine.from_config(ModelPairConfig.model_validate(
+                served.model_dump(include=set(ModelPairConfig.model_fields))))
+            prompts = [engine.render_chat([{"role": "user", "content": t}]) for t in texts]
+            load_bench.run_inprocess(engine, prompts, 0, 1, 1, 4)  # warm-up
+        load_bench.run_url(args.url, model, texts, 0, 1, 1, 4, args.api_key)  # warm-up
         for budget, c in tqdm(cells, desc="cells", unit="cell"):
-            rows.append(load_bench.run_url(args.url, args.served_model, texts, budget, c,
-                                           args.requests or max(c, len(texts)), args.max_tokens, args.api_key))
-        where = args.url
+            requests = args.requests or max(c, len(texts))
+            rows.append(load_bench.run_url(args.url, model, texts, budget, c, requests, args.max_tokens, args.api_key))
+            if engine is not None:  # right after, so that drift on the machine hits both alike
+                beside.append(load_bench.ServedBeside(
+                    rows[-1], load_bench.run_inprocess(engine, prompts, budget, c, requests, args.max_tokens)))
+        where = args.url + (f", beside the same engine in process ({torch_threads()} threads)" if beside else "")
     else:
         from .engine import Engine
 
@@ -274,10 +307,10 @@ def _load_bench(args: argparse.Namespace, config, budgets: list) -> int:
                                                  args.max_tokens))
         where = "in process"
     print(f"{len(texts)} prompts from {args.prompts}, {args.max_tokens} new tokens, greedy, {where}")
-    print(load_bench.markdown(rows))
+    print(load_bench.markdown_beside(beside) if beside else load_bench.markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([r.summary() for r in rows], f, indent=2)
+            json.dump([c.summary() for c in beside] if beside else [r.summary() for r in rows], f, indent=2)
     if args.plot:
         load_bench.plot(rows, args.plot, f"{Path(args.prompts).name}: {args.max_tokens} tokens, {where}")
     return 0
@@ -499,7 +532,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: max(streams, prompts))")
     bench.add_argument("--url", help="with --concurrency: a running server (e.g. http://127.0.0.1:8000) "
                        "instead of the in-process engine")
-    bench.add_argument("--served-model", default="SmolLM2-135M-Instruct", help="with --url: the model name to ask for")
+    bench.add_argument("--served-model", help="with --url: the model name to ask for (default: what the server's "
+                       "/v1/models lists first)")
+    bench.add_argument("--beside-engine", action="store_true",
+                       help="with --url: each cell also runs by the same engine in this process, right after the "
+                       "server; the table gives served over in-process tokens/s")
+    bench.add_argument("--server-config", help="with --beside-engine: the config the server runs (`ddtree serve "
+                       "--config FILE`), for the engine in process to be the same (default: `ddtree serve`'s defaults "
+                       "with this command's --model, --drafter, --dtype, --weights)")
     bench.add_argument("--api-key", help="with --url: the server's API key")
     bench.set_defaults(func=_bench)
 
