@@ -224,9 +224,13 @@ def _audit(args: argparse.Namespace) -> int:
         streams = [int(n) for n in args.streams.split(",")]
         if any(k is not None and k < 1 for k in topks) or any(n < 1 for n in streams):
             raise ValueError("topk and streams must be at least 1")
-        # a step holds the largest batch, each tree up to budget 64's 65 rows (what start-up measures)
-        config = ModelPairConfig(**field_values(args, BENCH_FIELDS), budget="auto" if "auto" in budgets else 0,
-                                 max_num_seqs=max(streams), max_step_tokens=65 * max(streams), lookup=False)
+        if args.url and args.dump:
+            raise ValueError("--dump records the rounds of the engine in process, not a server's (--url)")
+        if args.url:  # the engine here only decodes plainly, one request at a time
+            config = ModelPairConfig(**field_values(args, BENCH_FIELDS), budget=0, max_num_seqs=1, lookup=False)
+        else:  # a step holds the largest batch, each tree up to budget 64's 65 rows (what start-up measures)
+            config = ModelPairConfig(**field_values(args, BENCH_FIELDS), budget="auto" if "auto" in budgets else 0,
+                                     max_num_seqs=max(streams), max_step_tokens=65 * max(streams), lookup=False)
     except (ValueError, KeyError, ValidationError) as err:
         print(f"ddtree audit: {err}", file=sys.stderr)
         return 2
@@ -234,12 +238,23 @@ def _audit(args: argparse.Namespace) -> int:
     engine = Engine.from_config(config)
     texts = read_prompts(args.prompts, args.limit)
     prompts = [engine.render_chat([{"role": "user", "content": t}]) for t in texts]
+    served = audit.ServedOutputs(args.url, texts, prompts, args.max_tokens, args.served_model,
+                                 args.api_key) if args.url else None
+    greedy_reference = None
+    if args.reference == "transformers":
+        greedy_reference = audit.TransformersReference(engine.target.directory, engine.target.model.dtype,
+                                                       engine.eos_token_ids)
     runs = len(prompts) * (len(set(seeded)) + len(settings))
     with tqdm(total=runs, desc="completions", unit="run") as bar:
-        report = audit.run_audit(engine, prompts, settings, args.max_tokens, progress=lambda: bar.update(1),
-                                 dump_dir=args.dump)
+        try:
+            report = audit.run_audit(engine, prompts, settings, args.max_tokens, progress=lambda: bar.update(1),
+                                     dump_dir=args.dump, served=served, greedy_reference=greedy_reference)
+        except ValueError as err:  # the server renders the prompts otherwise
+            print(f"ddtree audit: {err}", file=sys.stderr)
+            return 2
+    against = "; ".join(f"{kind} against {name}" for kind, name in report.references.items())
     print(f"{len(prompts)} prompts from {args.prompts}, {args.max_tokens} new tokens, {report.dtype}: "
-          f"{report.compared} completions against plain decoding alone")
+          f"{report.compared} completions of {report.audited} ({against})")
     print(audit.markdown(report))
     if args.json:
         audit.write_json(report, args.json)
@@ -556,7 +571,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_field_flags(aud.add_argument_group("ModelPairConfig fields"), ModelPairConfig, BENCH_FIELDS)
     aud.add_argument("--json", help="write the summary and every difference here")
     aud.add_argument("--dump", help="a folder: each difference's round (tree, padding, mask, positions, accepted "
-                     "path) as JSON, from the diverging batch run again")
+                     "path) as JSON, from the diverging batch run again (in process only)")
+    aud.add_argument("--url", help="audit a running server (e.g. http://127.0.0.1:8000) through the openai client "
+                     "instead of the engine in process; the reference still decodes here, so give the server's "
+                     "--model (and --drafter, --dtype, --weights)")
+    aud.add_argument("--served-model", help="with --url: the model name to ask for (default: what /v1/models lists first)")
+    aud.add_argument("--api-key", help="with --url: the server's API key")
+    aud.add_argument("--reference", choices=["ddtree", "transformers"], default="ddtree",
+                     help="what greedy outputs are compared with: the target's plain decoding by ddtree, or by Hugging "
+                     "Face transformers' generate (an independent implementation); seeded outputs are always compared "
+                     "with ddtree's plain decoding, as transformers cannot reproduce its seeded draws")
     aud.set_defaults(func=_audit)
 
     train = sub.add_parser("train-drafter", help="self-distil a DFlash drafter (resumable stages)")

@@ -3,7 +3,7 @@
 Requests arrive as plain dicts from the ingress (already checked against the OpenAI schema);
 the replica renders and tokenizes them, checks them against the context, and streams events:
 
-    {"type": "start", "prompt_tokens": int, "seed": int | None}
+    {"type": "start", "prompt_tokens": int, "seed": int | None, "prompt_token_ids": [int] (if asked)}
     {"type": "delta", "text": str, "tokens": [int]}          (zero or more: one a step at most)
     {"type": "end", "finish_reason": str, "usage": {...}}
 or a single {"type": "error", "status": 4xx, "message": str, "param": str | None}.
@@ -182,7 +182,8 @@ class EngineServer:
 
     def prepare(self, body: dict):
         """body: {"kind": "chat" | "completion", "messages" | "prompt", "max_tokens",
-        "temperature", "top_p", "top_k", "min_p", "seed", "stop", "budget"} -> a Request."""
+        "temperature", "top_p", "top_k", "min_p", "seed", "stop", "budget", "lookup", "topk",
+        "return_token_ids"} -> a Request."""
         if body["kind"] == "chat":
             try:
                 prompt = self.engine.render_chat(body["messages"], body.get("chat_template_kwargs"))
@@ -263,8 +264,11 @@ class EngineServer:
         last, started = arrived, False
         try:
             # queued: the client hears back now, before the first token
-            yield {"type": "start", "prompt_tokens": len(request.prompt),
-                   "seed": request.sampling.seed}  # None when greedy (draw_seed)
+            start = {"type": "start", "prompt_tokens": len(request.prompt),
+                     "seed": request.sampling.seed}  # None when greedy (draw_seed)
+            if body.get("return_token_ids"):
+                start["prompt_token_ids"] = list(request.prompt)
+            yield start
             # One delta event for what a step emitted (a round's accepted tokens and its bonus),
             # or for several steps' when this stream's reader fell behind: one Ray stream item
             # and one SSE event per step at most, never one per token.
