@@ -120,7 +120,7 @@ class TransformersReference:
     def tokens(self, request: Request) -> list[int]:
         from transformers import GenerationConfig
 
-        assert request.sampling.temperature == 0 or request.sampling.seed is None, "greedy requests only"
+        assert request.sampling.temperature == 0, "greedy requests only: transformers cannot draw ddtree's seeded tokens"
         ids = torch.tensor([request.prompt])
         config = GenerationConfig(max_new_tokens=request.max_tokens, do_sample=False, eos_token_id=self.eos or None,
                                   pad_token_id=(self.eos or [0])[0])
