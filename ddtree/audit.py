@@ -14,15 +14,25 @@ Below the dtype's threshold (`TIE_THRESHOLDS`) it is a near-tie -- a tree-verify
 one-token step sum in different orders, so logits differ in the last bits, and where that flips a
 token it is not a bug -- else it is a real divergence, and the audit fails.
 
+What is audited: the engine in process, or (`ServedOutputs`, `--url`) a running server through
+the official openai client, each setting's streams sent as concurrent requests that return their
+token ids. What it is compared with: the target's plain decoding by ddtree (`PlainReference`),
+or for greedy cells (`TransformersReference`, `--reference transformers`) Hugging Face
+transformers' own model and `generate` over the target's checkpoint, an implementation that
+shares no code with ddtree's; seeded cells keep ddtree's plain decoding as their reference, as
+transformers cannot reproduce ddtree's seeded draws (a counter-based RNG keyed by seed and
+position).
+
     ddtree audit --prompts benchmarks/data/gsm8k-test.jsonl --limit 20 \\
         --budgets 0,chain,16,64,auto --sampling greedy,seeded --streams 1,8 --json audit.json
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -77,6 +87,90 @@ def first_difference(reference: list[int], got: list[int]) -> int | None:
     return at
 
 
+class PlainReference:
+    """The target's plain decoding by ddtree: budget 0, the request alone; gaps from its logits."""
+
+    name = "ddtree plain decoding"
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.dtype = engine.target.model.dtype
+
+    def tokens(self, request: Request) -> list[int]:
+        return self.engine.generate([replace(request, budget=0)])[0].tokens
+
+    def gap(self, request: Request, seed: int | None, context: list[int]) -> float:
+        return tie_gap(self.engine.target.model, request, seed, context)
+
+
+class TransformersReference:
+    """Greedy decoding by Hugging Face transformers: its own model class over the target's
+    checkpoint and its `generate` (no sampling, the target's EOS), in the target's dtype; gaps
+    from its logits. Greedy requests only: a seeded one is ddtree's own draws."""
+
+    name = "transformers generate (greedy)"
+
+    def __init__(self, directory, dtype: torch.dtype, eos_token_ids: tuple[int, ...]):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(directory, torch_dtype=dtype).eval()
+        self.dtype, self.eos = dtype, list(eos_token_ids)
+
+    @torch.no_grad()
+    def tokens(self, request: Request) -> list[int]:
+        from transformers import GenerationConfig
+
+        assert request.sampling.temperature == 0, "greedy requests only: transformers cannot draw ddtree's seeded tokens"
+        ids = torch.tensor([request.prompt])
+        config = GenerationConfig(max_new_tokens=request.max_tokens, do_sample=False, eos_token_id=self.eos or None,
+                                  pad_token_id=(self.eos or [0])[0])
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
+        return out[0, len(request.prompt):].tolist()
+
+    @torch.no_grad()
+    def gap(self, request: Request, seed: int | None, context: list[int]) -> float:
+        top = self.model(torch.tensor([request.prompt + context])).logits[0, -1].float().topk(2).values
+        return float(top[0] - top[1])
+
+
+class ServedOutputs:
+    """The audited outputs of a running ddtree server (`ddtree audit --url`): each prompt as one
+    user message through the official openai client, a setting's streams as concurrent requests,
+    non-streamed with `return_token_ids`. The server must render the prompt to the same tokens as
+    the engine in process (the same target and chat template), or the audit stops."""
+
+    def __init__(self, url: str, texts: list[str], prompts: list[list[int]], max_tokens: int,
+                 model: str | None = None, api_key: str | None = None):
+        from openai import OpenAI
+
+        self.base, self.api_key = url.rstrip("/") + "/v1", api_key or "none"
+        self.texts, self.prompts, self.max_tokens = texts, prompts, max_tokens
+        self.model = model or OpenAI(base_url=self.base, api_key=self.api_key, max_retries=0).models.list().data[0].id
+
+    def __call__(self, setting: "Setting", batch: list[int]) -> list[list[int]]:
+        return asyncio.run(self._batch(setting, batch))
+
+    async def _batch(self, setting: "Setting", batch: list[int]) -> list[list[int]]:
+        from openai import AsyncOpenAI
+
+        async with AsyncOpenAI(base_url=self.base, api_key=self.api_key, max_retries=0, timeout=600) as client:
+            return list(await asyncio.gather(*(self._one(client, setting, i) for i in batch)))
+
+    async def _one(self, client, setting: "Setting", i: int) -> list[int]:
+        sampling = sampling_for(setting.seeded, i)
+        speculation = {"budget": setting.budget, "lookup": setting.lookup}
+        if setting.topk is not None:
+            speculation["topk"] = setting.topk
+        reply = await client.chat.completions.create(
+            model=self.model, messages=[{"role": "user", "content": self.texts[i]}], max_tokens=self.max_tokens,
+            temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+            extra_body={"speculation": speculation, "return_token_ids": True})
+        if reply.model_extra.get("prompt_token_ids") != self.prompts[i]:
+            raise ValueError(f"the server rendered prompt {i} to other tokens than the engine here: it serves "
+                             "another target or chat template (give this command the server's --model)")
+        return reply.choices[0].model_extra["token_ids"]
+
+
 def divergence(model, request: Request, seed: int | None, reference: list[int], got: list[int]):
     """None if the token lists are equal; else (index, gap, is_near_tie) of the first difference."""
     at = first_difference(reference, got)
@@ -125,6 +219,8 @@ class AuditReport:
     prompts: int
     max_tokens: int
     dtype: str
+    references: dict[str, str] = field(default_factory=dict)  # "greedy" / "seeded" -> what outputs are compared with
+    audited: str = "the engine in process"  # or the server's URL
     compared: int = 0  # completions compared
     identical: int = 0
     differences: list[Difference] = field(default_factory=list)
@@ -135,6 +231,7 @@ class AuditReport:
 
     def summary(self) -> dict:
         return {"prompts": self.prompts, "max_tokens": self.max_tokens, "dtype": self.dtype,
+                "audited": self.audited, "references": self.references,
                 "settings": self.settings, "compared": self.compared, "identical": self.identical,
                 "near_ties": len(self.differences) - len(self.real), "real": len(self.real),
                 "differences": [asdict(d) for d in self.differences]}
@@ -190,42 +287,56 @@ def round_json(r) -> dict:
 
 
 def run_audit(engine, prompts: list[list[int]], settings: list[Setting], max_tokens: int,
-              progress: Callable[[], None] = lambda: None, dump_dir: Path | None = None) -> AuditReport:
-    """Runs every setting over every prompt on `engine` (in process) and compares each output with
-    the same request's plain decoding alone. `progress` is called once per completion run. With
-    `dump_dir`, a batch that diverged runs again recording its verify passes, and each difference's
-    round (tree, padding, mask, positions, accepted path) is written there as JSON."""
-    model = engine.target.model
-    report = AuditReport([s.label for s in settings], len(prompts), max_tokens, str(model.dtype).removeprefix("torch."))
+              progress: Callable[[], None] = lambda: None, dump_dir: Path | None = None,
+              served: ServedOutputs | None = None, greedy_reference: TransformersReference | None = None) -> AuditReport:
+    """Runs every setting over every prompt on `engine` (in process), or on `served` (a running
+    server), and compares each output with the same request's plain decoding alone by `engine`
+    (PlainReference), or for greedy cells by `greedy_reference`. `progress` is called once per
+    completion run. With `dump_dir` (in process only), a batch that diverged runs again recording
+    its verify passes, and each difference's round (tree, padding, mask, positions, accepted path)
+    is written there as JSON."""
+    if served is not None and dump_dir is not None:
+        raise ValueError("a dump records the engine's rounds in process; a server's cannot be recorded")
+    plain = PlainReference(engine)
+    chosen = {False: greedy_reference or plain, True: plain}
+    report = AuditReport([s.label for s in settings], len(prompts), max_tokens,
+                         str(plain.dtype).removeprefix("torch."),
+                         {("seeded" if k else "greedy"): r.name for k, r in chosen.items()
+                          if k in {s.seeded for s in settings}},
+                         "the engine in process" if served is None else served.base)
 
     def request(i: int, seeded: bool, budget: Budget = 0, topk: int | None = None, lookup: bool = False) -> Request:
         return engine.request(prompts[i], max_tokens, sampling_for(seeded, i), budget=budget, lookup=lookup, topk=topk)
 
+    def audited(setting: Setting, batch: list[int]) -> list[list[int]]:
+        if served is not None:
+            return served(setting, batch)
+        return [r.tokens for r in engine.generate(
+            [request(i, setting.seeded, setting.budget, setting.topk, setting.lookup) for i in batch])]
+
     references: dict[tuple[int, bool], list[int]] = {}
     for seeded in sorted({s.seeded for s in settings}):
         for i in range(len(prompts)):  # plain decoding, one request alone
-            references[i, seeded] = engine.generate([request(i, seeded)])[0].tokens
+            references[i, seeded] = chosen[seeded].tokens(request(i, seeded))
             progress()
     for setting in settings:
         for start in range(0, len(prompts), setting.streams):
             batch = list(range(start, min(start + setting.streams, len(prompts))))
-            results = engine.generate([request(i, setting.seeded, setting.budget, setting.topk, setting.lookup)
-                                       for i in batch])
-            for i, result in zip(batch, results):
+            for i, tokens in zip(batch, audited(setting, batch)):
                 progress()
                 report.compared += 1
                 reference = references[i, setting.seeded]
-                at = first_difference(reference, result.tokens)
+                at = first_difference(reference, tokens)
                 if at is None:
                     report.identical += 1
                     continue
                 req = request(i, setting.seeded)
                 seed = req.sampling.seed if setting.seeded else None
-                gap = tie_gap(model, req, seed, reference[:at])
-                threshold = tie_threshold(model.dtype, setting.seeded)
+                gap = chosen[setting.seeded].gap(req, seed, reference[:at])
+                threshold = tie_threshold(plain.dtype, setting.seeded)
                 report.differences.append(Difference(
                     i, setting.label, at, reference[at] if at < len(reference) else None,
-                    result.tokens[at] if at < len(result.tokens) else None, gap, threshold,
+                    tokens[at] if at < len(tokens) else None, gap, threshold,
                     "near-tie" if gap < threshold else "real"))
             if dump_dir is not None and any(d.setting == setting.label and d.prompt in batch
                                             for d in report.differences):

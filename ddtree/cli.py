@@ -66,6 +66,16 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_fields(path: str) -> dict:
+    """The ServeConfig fields of a YAML: the file itself, or a Serve config file's first
+    application's `args`."""
+    import yaml
+
+    with open(path) as f:
+        loaded = yaml.safe_load(f) or {}
+    return loaded["applications"][0].get("args", {}) if "applications" in loaded else loaded
+
+
 def _serve_config(args: argparse.Namespace):
     """ServeConfig from --config (ServeConfig fields, or a Serve config file whose first
     application's `args` are) with the command-line flags on top."""
@@ -73,11 +83,7 @@ def _serve_config(args: argparse.Namespace):
 
     from .serve.config import ServeConfig
 
-    fields: dict = {}
-    if args.config:
-        with open(args.config) as f:
-            loaded = yaml.safe_load(f) or {}
-        fields = loaded["applications"][0].get("args", {}) if "applications" in loaded else loaded
+    fields = _serve_fields(args.config) if args.config else {}
     fields.update(field_values(args, SERVE_FIELDS))
     keys = list(getattr(args, "api_key", None) or [])
     keys += [k.strip() for k in os.environ.get("DDTREE_API_KEY", "").split(",") if k.strip()]
@@ -218,9 +224,13 @@ def _audit(args: argparse.Namespace) -> int:
         streams = [int(n) for n in args.streams.split(",")]
         if any(k is not None and k < 1 for k in topks) or any(n < 1 for n in streams):
             raise ValueError("topk and streams must be at least 1")
-        # a step holds the largest batch, each tree up to budget 64's 65 rows (what start-up measures)
-        config = ModelPairConfig(**field_values(args, BENCH_FIELDS), budget="auto" if "auto" in budgets else 0,
-                                 max_num_seqs=max(streams), max_step_tokens=65 * max(streams), lookup=False)
+        if args.url and args.dump:
+            raise ValueError("--dump records the rounds of the engine in process, not a server's (--url)")
+        if args.url:  # the engine here only decodes plainly, one request at a time
+            config = ModelPairConfig(**field_values(args, BENCH_FIELDS), budget=0, max_num_seqs=1, lookup=False)
+        else:  # a step holds the largest batch, each tree up to budget 64's 65 rows (what start-up measures)
+            config = ModelPairConfig(**field_values(args, BENCH_FIELDS), budget="auto" if "auto" in budgets else 0,
+                                     max_num_seqs=max(streams), max_step_tokens=65 * max(streams), lookup=False)
     except (ValueError, KeyError, ValidationError) as err:
         print(f"ddtree audit: {err}", file=sys.stderr)
         return 2
@@ -228,12 +238,23 @@ def _audit(args: argparse.Namespace) -> int:
     engine = Engine.from_config(config)
     texts = read_prompts(args.prompts, args.limit)
     prompts = [engine.render_chat([{"role": "user", "content": t}]) for t in texts]
+    served = audit.ServedOutputs(args.url, texts, prompts, args.max_tokens, args.served_model,
+                                 args.api_key) if args.url else None
+    greedy_reference = None
+    if args.reference == "transformers":
+        greedy_reference = audit.TransformersReference(engine.target.directory, engine.target.model.dtype,
+                                                       engine.eos_token_ids)
     runs = len(prompts) * (len(set(seeded)) + len(settings))
     with tqdm(total=runs, desc="completions", unit="run") as bar:
-        report = audit.run_audit(engine, prompts, settings, args.max_tokens, progress=lambda: bar.update(1),
-                                 dump_dir=args.dump)
+        try:
+            report = audit.run_audit(engine, prompts, settings, args.max_tokens, progress=lambda: bar.update(1),
+                                     dump_dir=args.dump, served=served, greedy_reference=greedy_reference)
+        except ValueError as err:  # the server renders the prompts otherwise
+            print(f"ddtree audit: {err}", file=sys.stderr)
+            return 2
+    against = "; ".join(f"{kind} against {name}" for kind, name in report.references.items())
     print(f"{len(prompts)} prompts from {args.prompts}, {args.max_tokens} new tokens, {report.dtype}: "
-          f"{report.compared} completions against plain decoding alone")
+          f"{report.compared} completions of {report.audited} ({against})")
     print(audit.markdown(report))
     if args.json:
         audit.write_json(report, args.json)
@@ -254,14 +275,41 @@ def _load_bench(args: argparse.Namespace, config, budgets: list) -> int:
     except ValueError:
         print("ddtree bench: --concurrency takes comma-separated integers, e.g. 1,4,16,64", file=sys.stderr)
         return 2
+    if args.beside_engine and not args.url:
+        print("ddtree bench: --beside-engine runs the engine in process beside a server: give its --url", file=sys.stderr)
+        return 2
+    if args.server_config and not args.beside_engine:
+        print("ddtree bench: --server-config describes the engine --beside-engine builds", file=sys.stderr)
+        return 2
     texts = read_prompts(args.prompts, args.limit)
     cells = [(b, c) for b in budgets for c in levels]
-    rows = []
+    rows, beside = [], []
     if args.url:
+        model = args.served_model or load_bench.served_model(args.url, args.api_key)
+        engine, prompts = None, None
+        if args.beside_engine:
+            from .engine import Engine
+            from .serve.config import ServeConfig
+
+            try:
+                fields = _serve_fields(args.server_config) if args.server_config else {}
+                served = ServeConfig.model_validate({**fields, **field_values(args, BENCH_FIELDS)})
+            except (OSError, ValueError, KeyError, ValidationError) as err:
+                print(f"ddtree bench: --server-config: {err}", file=sys.stderr)
+                return 2
+            # the server's engine, in this process: the same model pair, batch limits and budget
+            engine = Engine.from_config(ModelPairConfig.model_validate(
+                served.model_dump(include=set(ModelPairConfig.model_fields))))
+            prompts = [engine.render_chat([{"role": "user", "content": t}]) for t in texts]
+            load_bench.run_inprocess(engine, prompts, 0, 1, 1, 4)  # warm-up
+        load_bench.run_url(args.url, model, texts, 0, 1, 1, 4, args.api_key)  # warm-up
         for budget, c in tqdm(cells, desc="cells", unit="cell"):
-            rows.append(load_bench.run_url(args.url, args.served_model, texts, budget, c,
-                                           args.requests or max(c, len(texts)), args.max_tokens, args.api_key))
-        where = args.url
+            requests = args.requests or max(c, len(texts))
+            rows.append(load_bench.run_url(args.url, model, texts, budget, c, requests, args.max_tokens, args.api_key))
+            if engine is not None:  # right after, so that drift on the machine hits both alike
+                beside.append(load_bench.ServedBeside(
+                    rows[-1], load_bench.run_inprocess(engine, prompts, budget, c, requests, args.max_tokens)))
+        where = args.url + (f", beside the same engine in process ({torch_threads()} threads)" if beside else "")
     else:
         from .engine import Engine
 
@@ -274,10 +322,10 @@ def _load_bench(args: argparse.Namespace, config, budgets: list) -> int:
                                                  args.max_tokens))
         where = "in process"
     print(f"{len(texts)} prompts from {args.prompts}, {args.max_tokens} new tokens, greedy, {where}")
-    print(load_bench.markdown(rows))
+    print(load_bench.markdown_beside(beside) if beside else load_bench.markdown(rows))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([r.summary() for r in rows], f, indent=2)
+            json.dump([c.summary() for c in beside] if beside else [r.summary() for r in rows], f, indent=2)
     if args.plot:
         load_bench.plot(rows, args.plot, f"{Path(args.prompts).name}: {args.max_tokens} tokens, {where}")
     return 0
@@ -499,7 +547,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default: max(streams, prompts))")
     bench.add_argument("--url", help="with --concurrency: a running server (e.g. http://127.0.0.1:8000) "
                        "instead of the in-process engine")
-    bench.add_argument("--served-model", default="SmolLM2-135M-Instruct", help="with --url: the model name to ask for")
+    bench.add_argument("--served-model", help="with --url: the model name to ask for (default: what the server's "
+                       "/v1/models lists first)")
+    bench.add_argument("--beside-engine", action="store_true",
+                       help="with --url: each cell also runs by the same engine in this process, right after the "
+                       "server; the table gives served over in-process tokens/s")
+    bench.add_argument("--server-config", help="with --beside-engine: the config the server runs (`ddtree serve "
+                       "--config FILE`), for the engine in process to be the same (default: `ddtree serve`'s defaults "
+                       "with this command's --model, --drafter, --dtype, --weights)")
     bench.add_argument("--api-key", help="with --url: the server's API key")
     bench.set_defaults(func=_bench)
 
@@ -516,7 +571,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_field_flags(aud.add_argument_group("ModelPairConfig fields"), ModelPairConfig, BENCH_FIELDS)
     aud.add_argument("--json", help="write the summary and every difference here")
     aud.add_argument("--dump", help="a folder: each difference's round (tree, padding, mask, positions, accepted "
-                     "path) as JSON, from the diverging batch run again")
+                     "path) as JSON, from the diverging batch run again (in process only)")
+    aud.add_argument("--url", help="audit a running server (e.g. http://127.0.0.1:8000) through the openai client "
+                     "instead of the engine in process; the reference still decodes here, so give the server's "
+                     "--model (and --drafter, --dtype, --weights)")
+    aud.add_argument("--served-model", help="with --url: the model name to ask for (default: what /v1/models lists first)")
+    aud.add_argument("--api-key", help="with --url: the server's API key")
+    aud.add_argument("--reference", choices=["ddtree", "transformers"], default="ddtree",
+                     help="what greedy outputs are compared with: the target's plain decoding by ddtree, or by Hugging "
+                     "Face transformers' generate (an independent implementation); seeded outputs are always compared "
+                     "with ddtree's plain decoding, as transformers cannot reproduce its seeded draws")
     aud.set_defaults(func=_audit)
 
     train = sub.add_parser("train-drafter", help="self-distil a DFlash drafter (resumable stages)")

@@ -6,7 +6,9 @@ in turn). In process, the streams feed the engine's Scheduler directly (one step
 with `url`, they are concurrent streaming requests through the official `openai` client
 against a running server. Reported per cell: aggregate output tokens/s, time to first token and
 inter-token latency (p50 / p99), tau. Cells run one after another in one process; compare
-within a table (the machine is shared and noisy).
+within a table (the machine is shared and noisy). With both (`--url URL --beside-engine`),
+each cell runs through the server and then in process, one right after the other, and the
+table gives served over in-process tokens/s (`ServedBeside`): what the serving path costs.
 
 In process, a cell also counts its *busy* window: the steps that began with every one of its c
 streams holding a request (`busy_tokens_per_s`). Once the prompts run out the streams finish one
@@ -169,6 +171,64 @@ async def _run_url(url: str, model: str, texts: list[str], budget, concurrency: 
 def run_url(url: str, model: str, texts: list[str], budget, concurrency: int, requests: int, max_tokens: int,
             api_key: str | None = None) -> LoadRow:
     return asyncio.run(_run_url(url, model, texts, budget, concurrency, requests, max_tokens, api_key))
+
+
+def served_model(url: str, api_key: str | None = None) -> str:
+    """The model a running server serves (the first of GET /v1/models)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=url.rstrip("/") + "/v1", api_key=api_key or "none", max_retries=0, timeout=60)
+    return client.models.list().data[0].id
+
+
+@dataclass
+class ServedBeside:
+    """One cell run twice, one run right after the other: through a running server (`served`)
+    and by the same engine in process (`engine`), with the same prompts, requests and tokens."""
+
+    served: LoadRow
+    engine: LoadRow
+
+    @property
+    def ratio(self) -> float:
+        """Served aggregate tokens/s over the engine's in process."""
+        return self.served.tokens_per_s / self.engine.tokens_per_s if self.engine.tokens_per_s else 0.0
+
+    def summary(self) -> dict:
+        return {"budget": self.served.budget, "concurrency": self.served.concurrency,
+                "served_over_engine": self.ratio, "served": self.served.summary(), "engine": self.engine.summary()}
+
+
+def markdown_beside(cells: list[ServedBeside]) -> str:
+    """Served against in process per cell: aggregate tokens/s of both, their ratio, each one's
+    scaling over its fewest streams at the same budget, and the served streams' latencies."""
+
+    def ms(v):
+        return f"{1000 * v:.0f}" if v is not None else "-"
+
+    fewest = min(c.served.concurrency for c in cells)
+    base = {(c.served.budget, side): getattr(c, side).tokens_per_s
+            for c in cells if c.served.concurrency == fewest for side in ("served", "engine")}
+
+    def scaling(cell, side):
+        one = base.get((cell.served.budget, side))
+        return f"{getattr(cell, side).tokens_per_s / one:.2f}x" if one else "-"
+
+    lines = [
+        f"| budget | streams | requests | served tokens/s | in process tokens/s | served / in process | "
+        f"served vs {fewest} stream{'s' if fewest != 1 else ''} | in process vs {fewest} | "
+        f"served TTFT p50 / p99 ms | served inter-token p50 / p99 ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for c in cells:
+        s = c.served
+        lines.append(
+            f"| {s.budget} | {s.concurrency} | {s.requests} | {s.tokens_per_s:.1f} | {c.engine.tokens_per_s:.1f} | "
+            f"{c.ratio:.2f}x | {scaling(c, 'served')} | {scaling(c, 'engine')} | "
+            f"{ms(percentile(s.ttft_s, 50))} / {ms(percentile(s.ttft_s, 99))} | "
+            f"{ms(percentile(s.itl_s, 50))} / {ms(percentile(s.itl_s, 99))} |"
+        )
+    return "\n".join(lines)
 
 
 def markdown(rows: list[LoadRow]) -> str:

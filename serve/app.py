@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import logging
+import os
 
+import ray
 from ray import serve
 from ray.serve import Application
 
@@ -21,6 +23,26 @@ logger = logging.getLogger("ray.serve")
 INGRESS_HEADROOM = 32
 
 
+def engine_cpus(config: ServeConfig) -> float:
+    """The CPUs Ray reserves for each engine replica, which are also its intra-op threads
+    (ddtree.engine.engine_threads): `engine_num_cpus` when set; else, at tp: 1, every CPU of the
+    largest node Ray knows (where Ray is not started yet, as under `serve run`'s import, the cores
+    this process may run on), so one replica decodes on a whole node's cores, as the engine does
+    in process; at tp > 1, 1 (the replica only schedules; its shards reserve their own bundles).
+
+    The ingress replica and Serve's HTTP proxy reserve no CPU: their work is one SSE event per
+    stream per step, done between and beside the engine's steps."""
+    if config.engine_num_cpus is not None:
+        return config.engine_num_cpus
+    if config.tp > 1:
+        return 1.0
+    if ray.is_initialized():
+        nodes = [node["Resources"].get("CPU", 0.0) for node in ray.nodes() if node["Alive"]]
+        if nodes and max(nodes) >= 1:
+            return float(int(max(nodes)))
+    return float(len(os.sched_getaffinity(0)))
+
+
 def build_app(args: dict | ServeConfig | None = None) -> Application:
     """Serve's application builder. `args` are ServeConfig fields (from a config YAML's `args`,
     `serve run ... key=value`, or Python)."""
@@ -30,7 +52,7 @@ def build_app(args: dict | ServeConfig | None = None) -> Application:
         "max_ongoing_requests": config.engine_capacity,
         "autoscaling_config": config.autoscaling.model_dump(exclude_unset=True),
         "ray_actor_options": {
-            "num_cpus": config.engine_num_cpus,
+            "num_cpus": engine_cpus(config),
             "num_gpus": config.engine_num_gpus if config.tp == 1 else 0,
         },
         # the first replica loads (and maybe de-quantizes) the model: give it time

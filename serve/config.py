@@ -35,7 +35,13 @@ class ServeConfig(ModelPairConfig):
         "downscale_delay_s, look_back_period_s, metrics_interval_s, smoothing factors, ...), with Ray's "
         "defaults (1 replica); unknown fields are an error."
     )
-    engine_num_cpus: float = Field(1.0, ge=0, description="CPUs Ray reserves for each engine replica.")
+    engine_num_cpus: float | None = Field(
+        None, ge=0, description="CPUs Ray reserves for each engine replica; the replica's intra-op threads "
+        "are as many (unless `threads` is set). None = at tp: 1, every CPU of the largest node Ray knows "
+        "(the machine's cores under `ddtree serve`): one replica a node, decoding on all its cores, the "
+        "ingress and Serve's proxy reserving none (docs/deployment.md); at tp > 1, 1 (the shards hold the "
+        "model and reserve their own bundles). Set it below a node's CPUs for several replicas a node."
+    )
     engine_num_gpus: float = Field(
         0.0, ge=0, description="GPUs Ray reserves for each engine replica at tp: 1 (at tp > 1 the "
         "replica's placement group reserves one GPU per shard instead)."

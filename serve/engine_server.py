@@ -3,8 +3,8 @@
 Requests arrive as plain dicts from the ingress (already checked against the OpenAI schema);
 the replica renders and tokenizes them, checks them against the context, and streams events:
 
-    {"type": "start", "prompt_tokens": int, "seed": int | None}
-    {"type": "delta", "text": str, "tokens": [int]}          (zero or more)
+    {"type": "start", "prompt_tokens": int, "seed": int | None, "prompt_token_ids": [int] (if asked)}
+    {"type": "delta", "text": str, "tokens": [int]}          (zero or more: one a step at most)
     {"type": "end", "finish_reason": str, "usage": {...}}
 or a single {"type": "error", "status": 4xx, "message": str, "param": str | None}.
 
@@ -93,18 +93,25 @@ class BatchDriver:
         self.wake.set()
         return seq_id
 
-    def updates(self, seq_id: int) -> AsyncIterator[Update]:
-        """The submitted request's updates, up to the one that carries its result."""
+    def updates(self, seq_id: int) -> AsyncIterator[list[Update]]:
+        """The submitted request's updates, up to the one that carries its result, in batches:
+        each batch is every update waiting when it is read (one step's, or several steps' when
+        the reader fell behind), so a slow reader gets one event for them, not a backlog."""
         return self._drain(self.queues[seq_id])
 
     @staticmethod
-    async def _drain(queue: asyncio.Queue) -> AsyncIterator[Update]:
+    async def _drain(queue: asyncio.Queue) -> AsyncIterator[list[Update]]:
         while True:
-            update = await queue.get()
-            if isinstance(update, BaseException):
-                raise update
-            yield update
-            if update.result is not None:
+            waiting = [await queue.get()]
+            while not queue.empty():
+                waiting.append(queue.get_nowait())
+            # a failed step's error is the last thing a queue gets: the updates before it first
+            batch = [u for u in waiting if not isinstance(u, BaseException)]
+            if batch:
+                yield batch
+            if isinstance(waiting[-1], BaseException):
+                raise waiting[-1]
+            if batch[-1].result is not None:
                 return
 
     def leave(self, seq_id: int) -> None:
@@ -175,7 +182,8 @@ class EngineServer:
 
     def prepare(self, body: dict):
         """body: {"kind": "chat" | "completion", "messages" | "prompt", "max_tokens",
-        "temperature", "top_p", "top_k", "min_p", "seed", "stop", "budget"} -> a Request."""
+        "temperature", "top_p", "top_k", "min_p", "seed", "stop", "budget", "lookup", "topk",
+        "return_token_ids"} -> a Request."""
         if body["kind"] == "chat":
             try:
                 prompt = self.engine.render_chat(body["messages"], body.get("chat_template_kwargs"))
@@ -256,26 +264,35 @@ class EngineServer:
         last, started = arrived, False
         try:
             # queued: the client hears back now, before the first token
-            yield {"type": "start", "prompt_tokens": len(request.prompt),
-                   "seed": request.sampling.seed}  # None when greedy (draw_seed)
-            async for update in updates:
+            start = {"type": "start", "prompt_tokens": len(request.prompt),
+                     "seed": request.sampling.seed}  # None when greedy (draw_seed)
+            if body.get("return_token_ids"):
+                start["prompt_token_ids"] = list(request.prompt)
+            yield start
+            # One delta event for what a step emitted (a round's accepted tokens and its bonus),
+            # or for several steps' when this stream's reader fell behind: one Ray stream item
+            # and one SSE event per step at most, never one per token.
+            async for batch in updates:
                 now = time.perf_counter()
+                new_tokens = [t for update in batch for t in update.new_tokens]
                 if not started:
                     started = True
                     self.metrics.first_token(now - arrived)
-                elif update.new_tokens:
-                    self.metrics.inter_token(now - last, len(update.new_tokens))
+                elif new_tokens:
+                    self.metrics.inter_token(now - last, len(new_tokens))
                 last = now
-                if update.round is not None:
-                    self.metrics.round(update.round)
-                tokens.extend(update.new_tokens)
-                self.metrics.output_tokens(len(update.new_tokens))
-                text = deltas.finish(update.result.text or "") if update.result is not None else deltas.push(tokens)
-                if text or update.new_tokens:
-                    yield {"type": "delta", "text": text, "tokens": update.new_tokens}
-                if update.result is not None:
-                    yield {"type": "end", "finish_reason": update.result.finish_reason,
-                           "usage": self.usage(request, update.result)}
+                for update in batch:
+                    if update.round is not None:
+                        self.metrics.round(update.round)
+                tokens.extend(new_tokens)
+                self.metrics.output_tokens(len(new_tokens))
+                result = batch[-1].result
+                text = deltas.finish(result.text or "") if result is not None else deltas.push(tokens)
+                if text or new_tokens:
+                    yield {"type": "delta", "text": text, "tokens": new_tokens}
+                if result is not None:
+                    yield {"type": "end", "finish_reason": result.finish_reason,
+                           "usage": self.usage(request, result)}
         finally:
             # also when the stream is closed at the start event, before the updates were read
             self.driver.leave(seq_id)

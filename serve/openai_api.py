@@ -160,6 +160,11 @@ class _Sampling(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     speculation: Speculation | None = None
+    return_token_ids: StrictBool = Field(
+        False, description="As vLLM: the response also carries `prompt_token_ids` and its choice `token_ids` "
+        "(the completion's tokens, EOS included), for comparing outputs token by token (`ddtree audit --url`). "
+        "Non-streamed responses only."
+    )
 
     @field_validator("n")
     @classmethod
@@ -188,6 +193,7 @@ class _Sampling(BaseModel):
             "budget": self.speculation.budget if self.speculation else None,
             "lookup": self.speculation.lookup if self.speculation else None,
             "topk": self.speculation.topk if self.speculation else None,
+            "return_token_ids": self.return_token_ids,
         }
 
 
@@ -580,6 +586,9 @@ class OpenAIIngress:
                 return error_response(
                     400, f"{field}: {value} exceeds this server's limit of {config.max_output_tokens}", field
                 )
+        if body.return_token_ids and body.stream:
+            return error_response(400, "return_token_ids: only a non-streamed response carries token ids",
+                                  "return_token_ids")
         budget = body.speculation.budget if body.speculation else None
         if budget is not None:
             try:
@@ -616,11 +625,12 @@ class OpenAIIngress:
             return StreamingResponse(
                 self._stream_chunks(events, first, kind, ident, created, include_usage), media_type="text/event-stream"
             )
-        text, end = [], None
+        text, tokens, end = [], [], None
         try:
             async for event in events:
                 if event["type"] == "delta":
                     text.append(event["text"])
+                    tokens += event["tokens"]
                 elif event["type"] == "end":
                     end = event
                 elif event["type"] == "error":
@@ -629,21 +639,28 @@ class OpenAIIngress:
             return self._failure(err)
         if end is None:
             return error_response(500, "internal error: the engine ended the request unfinished")
-        return self._whole_response(kind, ident, created, "".join(text), end, first["seed"])
+        ids = {"prompt_token_ids": first["prompt_token_ids"], "token_ids": tokens} if body.return_token_ids else {}
+        return self._whole_response(kind, ident, created, "".join(text), end, first["seed"], **ids)
 
-    def _whole_response(self, kind: str, ident: str, created: int, content: str, end: dict, seed) -> dict:
+    def _whole_response(self, kind: str, ident: str, created: int, content: str, end: dict, seed,
+                        **token_ids: list[int]) -> dict:
         """The non-streamed response: OpenAI's ChatCompletion or Completion, plus ddtree's `seed`
-        (the seed of the draws, to send back for the same text) and `usage.speculation`."""
+        (the seed of the draws, to send back for the same text) and `usage.speculation`; with
+        `token_ids` (return_token_ids), vLLM's `prompt_token_ids` and the choice's `token_ids`."""
         usage = CompletionUsage.model_validate(end["usage"])
+        on_choice = {"token_ids": token_ids["token_ids"]} if token_ids else {}
+        on_reply = {"prompt_token_ids": token_ids["prompt_token_ids"]} if token_ids else {}
         if kind == "chat":
             message = ChatCompletionMessage(role="assistant", content=content)
-            choice = chat_completion.Choice(index=0, message=message, logprobs=None, finish_reason=end["finish_reason"])
+            choice = chat_completion.Choice(index=0, message=message, logprobs=None, finish_reason=end["finish_reason"],
+                                            **on_choice)
             reply = ChatCompletion(id=ident, object="chat.completion", created=created, model=self.model,
-                                   choices=[choice], usage=usage, seed=seed)
+                                   choices=[choice], usage=usage, seed=seed, **on_reply)
         else:
-            choice = CompletionChoice(index=0, text=content, logprobs=None, finish_reason=end["finish_reason"])
+            choice = CompletionChoice(index=0, text=content, logprobs=None, finish_reason=end["finish_reason"],
+                                      **on_choice)
             reply = Completion(id=ident, object="text_completion", created=created, model=self.model,
-                               choices=[choice], usage=usage, seed=seed)
+                               choices=[choice], usage=usage, seed=seed, **on_reply)
         return reply.model_dump(mode="json", exclude_unset=True)
 
     async def _stream_chunks(self, events, first, kind, ident, created, include_usage) -> AsyncIterator[str]:

@@ -90,3 +90,32 @@ def test_padding_rows_visible_to_real_rows_make_the_audit_fail(tiny_chat_model, 
         assert max(r["parents"][1:], default=0) < r["real_rows"]  # a chain of real nodes
         sees_padding = [i for i in range(r["real_rows"]) if any(r["mask"][i][j] for j in r["padding_rows"])]
         assert sees_padding, "the dump shows real rows seeing the padding"
+
+
+def test_the_transformers_reference_is_transformers_greedy_decoding(tiny_chat_model, prompt_file, tmp_path):
+    """`--reference transformers`: greedy cells are compared with Hugging Face's own model and
+    `generate` over the target's checkpoint (here equal to recomputing every step with the HF
+    model, no cache), seeded ones with ddtree's plain decoding (transformers cannot reproduce its
+    seeded draws); the tiny pair agrees with both, and the summary names each reference."""
+    from transformers import AutoModelForCausalLM
+
+    from ddtree.config import ModelPairConfig, SamplingParams
+    from ddtree.engine import Engine
+
+    from .helpers import hf_greedy
+
+    engine = Engine.from_config(ModelPairConfig(model=str(tiny_chat_model), budget=0, block_size=4))
+    reference = audit.TransformersReference(tiny_chat_model, torch.float32, engine.eos_token_ids)
+    prompt = engine.render_chat([{"role": "user", "content": PROMPTS[0]}])
+    hf = AutoModelForCausalLM.from_pretrained(tiny_chat_model, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert reference.tokens(engine.request(prompt, 8, SamplingParams())) == hf_greedy(hf, prompt, 8)
+
+    out = tmp_path / "audit.json"
+    code = main(["audit", "--prompts", str(prompt_file), "--limit", "2", "--max-tokens", "8", "--budgets", "0,8",
+                 "--sampling", "greedy,seeded", "--streams", "1", "--reference", "transformers",
+                 "--model", str(tiny_chat_model), "--json", str(out)])
+    summary = json.loads(out.read_text())
+    assert code == 0, summary["differences"]
+    assert summary["references"] == {"greedy": "transformers generate (greedy)", "seeded": "ddtree plain decoding"}
+    assert summary["compared"] == 2 * 4 and summary["real"] == 0

@@ -243,6 +243,55 @@ def test_a_stream_closed_at_any_point_leaves_no_sequence_and_no_queue(tiny_chat_
     assert server.driver.queues == {}
 
 
+def _read_stream(server, body: dict, behind: bool) -> list[dict]:
+    """The engine stream's events; `behind`: the reader takes the start event, then reads nothing
+    until the request has finished decoding (a client, ingress or proxy that fell behind)."""
+    import asyncio
+
+    async def run() -> list[dict]:
+        stream = server.stream(body)
+        events = [await stream.__anext__()]
+        while behind and server.engine.scheduler.has_work:
+            await asyncio.sleep(0.01)
+        events += [event async for event in stream]
+        return events
+
+    return asyncio.run(run())
+
+
+def test_the_engine_streams_a_steps_tokens_as_one_event(accepting_model):
+    """On the accepting model every chain round accepts its whole block (block 4: 3 drafted + the
+    bonus), and the engine sends each step's tokens as one delta event (one Ray stream item, one
+    SSE chunk), never one per token: the prefill's token, then 4 a round (two steps' together
+    where the first waited for the reader). The tokens are plain decoding's."""
+    from ddtree.serve.engine_server import EngineServer
+
+    server = EngineServer({"model": str(accepting_model), "budget": "chain", "block_size": 4, "lookup": False})
+    body = {"kind": "chat", "messages": CHAT_SAMPLE, "max_tokens": 21, "temperature": 0}
+    deltas = [e["tokens"] for e in _read_stream(server, body, behind=False) if e["type"] == "delta"]
+    engine = server.engine
+    plain = engine.generate([engine.request(engine.render_chat(CHAT_SAMPLE), 21, SamplingParams(), budget=0)])[0]
+    assert [t for d in deltas for t in d] == plain.tokens
+    # 6 steps (the prefill, 5 rounds): an event each, or fewer where a step's waited for the next
+    assert len(deltas) <= 6 and all(len(d) >= 4 for d in deltas[1:])
+
+
+def test_a_reader_that_fell_behind_gets_one_event_for_the_steps_it_missed(tiny_chat_model):
+    """A stream whose reader is slower than the steps does not pile up an event a step: what
+    waited is sent as one delta, whose text is what prompt reading sends in pieces."""
+    from ddtree.serve.engine_server import EngineServer
+
+    server = EngineServer({"model": str(tiny_chat_model), "budget": 0, "block_size": 4})
+    body = {"kind": "chat", "messages": CHAT_SAMPLE, "max_tokens": 12, "temperature": 0}
+    prompt = _read_stream(server, body, behind=False)
+    behind = _read_stream(server, body, behind=True)
+    assert [e["type"] for e in behind] == ["start", "delta", "end"]
+    assert len([e for e in prompt if e["type"] == "delta"]) > 6  # about one a step (12 steps)
+    assert behind[1]["text"] == "".join(e["text"] for e in prompt if e["type"] == "delta")
+    assert behind[1]["tokens"] == [t for e in prompt if e["type"] == "delta" for t in e["tokens"]]
+    assert behind[-1]["usage"] == prompt[-1]["usage"]
+
+
 def test_a_replica_takes_what_start_up_built_out_of_the_collectors_reach(tiny_chat_model):
     """A full collection scanned the ~370k objects that start-up leaves (imports, the models'
     modules, the tokenizer) every time it ran: 144 ms, a stall of every stream, about once in two

@@ -138,3 +138,22 @@ def test_the_whole_run_prices_every_concurrencys_tokens_at_each_budgets_own_rate
     text = benchmark_script("budget_policy").whole_run(tables)
     assert "| auto | 300.0 | 16.7 | 1.00x |" in text
     assert "| 4 | 450.0 | 11.1 | 1.50x |" in text
+
+
+def test_served_beside_in_process_gives_the_ratio_and_each_sides_scaling():
+    """`bench --url --beside-engine`'s table: per cell both aggregate tokens/s, served over in
+    process, and each side's tokens/s over its own at the fewest streams (the judged figures:
+    served / in process at 1..64 streams, served at 8 streams over 1)."""
+    from ddtree.load_bench import LoadRow, ServedBeside, markdown_beside
+
+    def row(streams, tokens):
+        r = LoadRow(0, streams, requests=8)
+        r.tokens, r.seconds = tokens, 10.0
+        return r
+
+    cells = [ServedBeside(row(1, 90), row(1, 100)), ServedBeside(row(8, 450), row(8, 500))]
+    assert [c.ratio for c in cells] == [0.9, 0.9]
+    text = markdown_beside(cells)
+    assert "| 0 | 1 | 8 | 9.0 | 10.0 | 0.90x | 1.00x | 1.00x |" in text
+    assert "| 0 | 8 | 8 | 45.0 | 50.0 | 0.90x | 5.00x | 5.00x |" in text
+    assert cells[1].summary()["served_over_engine"] == 0.9

@@ -164,3 +164,23 @@ def test_the_image_installs_at_the_constraints_and_builds_the_cpu_kernels():
         if "torch==" not in part:  # torch: its own pin and index, as in the Makefile
             assert "-c /home/ray/ddtree/constraints.txt" in part, part
     assert any("python -m ddtree.workers.cpu_gemm" in line for line in lines)
+
+
+def test_an_engine_replica_reserves_and_decodes_on_the_machines_cores_by_default():
+    """Unset, `engine_num_cpus` is every core of the node: the engine replica's Ray reservation,
+    and so its intra-op threads (engine_threads), are what the engine in process uses, not the one
+    core it once had on a 2-core machine. Set, it is taken as is; at tp > 1 the replica only
+    schedules and reserves 1 (its shards reserve their own bundles). The ingress reserves none."""
+    import os
+
+    from ddtree.serve.app import build_app, engine_cpus
+    from ddtree.serve.config import ServeConfig
+
+    cores = len(os.sched_getaffinity(0))
+    assert engine_cpus(ServeConfig()) == cores  # no Ray started here: this machine's cores
+    assert engine_cpus(ServeConfig(engine_num_cpus=0.5)) == 0.5
+    assert engine_cpus(ServeConfig(tp=2)) == 1
+    ingress = build_app({})._bound_deployment
+    engine = ingress.init_args[1]._bound_deployment
+    assert engine.ray_actor_options["num_cpus"] == cores
+    assert ingress.ray_actor_options["num_cpus"] == 0

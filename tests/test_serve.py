@@ -180,6 +180,7 @@ BAD_REQUESTS = [
     ({"messages": [{"role": "user", "content": "tree " * CONTEXT}]}, 400, "messages"),
     ({"speculation": {"budget": -1}}, 400, "speculation.budget"),
     ({"model": "gpt-4o"}, 404, "model"),
+    ({"return_token_ids": True, "stream": True}, 400, "return_token_ids"),
 ]
 
 
@@ -191,8 +192,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
     error = r.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"] and error["param"] == param
     assert "Traceback" not in r.text
-    standard = {k: v for k, v in body.items() if k != "speculation"}
-    extra = {"speculation": body["speculation"]} if "speculation" in body else None
+    standard = {k: v for k, v in body.items() if k not in ("speculation", "return_token_ids")}
+    extra = {k: body[k] for k in ("speculation", "return_token_ids") if k in body} or None  # ddtree's own
     with pytest.raises(openai.APIStatusError) as raised:  # the official client sees the same
         client.chat.completions.create(**standard, extra_body=extra)
     assert raised.value.status_code == status
@@ -266,6 +267,30 @@ def test_a_tp2_app_serves_what_the_in_process_engine_decodes(server, tiny_chat_m
     expected = engine.generate([engine.request(engine.render_chat(CHAT), 16, SamplingParams())])[0]
     chunks = sharded.chat.completions.create(model="sharded", messages=CHAT, max_tokens=16, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+
+
+def test_audit_of_a_running_server(server, tiny_chat_model, tmp_path):
+    """`ddtree audit --url`: the server's outputs (non-streamed, with `return_token_ids`; a
+    setting's streams as concurrent requests) against the target's plain decoding here. The
+    server of the tiny model passes; the accepting app (the same tokenizer, a zero LM head) audited
+    against the tiny model's decoding is caught: exit 1, its differences real."""
+    from ddtree.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("Count to five.", "Name a colour.")))
+    grid = ["--prompts", str(prompts), "--max-tokens", "6", "--budgets", "0,16", "--sampling", "greedy,seeded",
+            "--streams", "1,2", "--model", str(tiny_chat_model)]
+    out = tmp_path / "served.json"
+    assert main(["audit", *grid, "--url", server["base"], "--json", str(out)]) == 0, out.read_text()
+    summary = json.loads(out.read_text())
+    assert summary["audited"] == server["base"] + "/v1"
+    assert summary["compared"] == 2 * 8 and summary["real"] == 0
+
+    out = tmp_path / "accepting.json"
+    assert main(["audit", *grid, "--sampling", "greedy", "--url", server["base"] + "/accepting",
+                 "--json", str(out)]) == 1
+    summary = json.loads(out.read_text())
+    assert summary["compared"] == 2 * 4 and summary["real"] >= 1
 
 
 def test_config_errors_name_the_field():

@@ -162,3 +162,29 @@ def test_load_bench_against_a_running_server(server):
     assert row.requests == 3 and row.tokens == 18, "every completion ran to max_tokens"
     assert len(row.ttft_s) == 3
     assert "| 0 | 2 | 3 |" in markdown([row])
+
+
+def test_bench_runs_a_server_beside_its_engine_in_process(server, tmp_path, capsys):
+    """`ddtree bench --concurrency --url URL --beside-engine --server-config FILE`: every cell
+    runs through the server, then by the same engine (built from the server's config) in this
+    process, and the JSON holds both, the same tokens on each side, and their ratio (no figure is
+    judged here: the machine is shared)."""
+    import json
+
+    import yaml
+
+    from ddtree.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in ("Name a tree.", "Name a river.", "Name a sea.")))
+    config = tmp_path / "server.yaml"
+    config.write_text(yaml.safe_dump(server["config"]))
+    out = tmp_path / "beside.json"
+    assert main(["bench", "--prompts", str(prompts), "--concurrency", "1,2", "--budgets", "0,16", "--max-tokens", "6",
+                 "--url", server["base"], "--beside-engine", "--server-config", str(config), "--json", str(out)]) == 0
+    cells = json.loads(out.read_text())
+    assert [(c["budget"], c["concurrency"]) for c in cells] == [(0, 1), (0, 2), (16, 1), (16, 2)]
+    for c in cells:
+        assert c["served"]["tokens"] == c["engine"]["tokens"] == 18, "3 completions of 6 tokens on each side"
+        assert c["served_over_engine"] == pytest.approx(c["served"]["tokens_per_s"] / c["engine"]["tokens_per_s"])
+    assert "| 16 | 2 | 3 |" in capsys.readouterr().out
