@@ -233,8 +233,9 @@ class ReplayDrafter:
         for seq_id, bonus, start, depth, k in zip(rows.ids, rows.bonus, rows.start, depths, rows.top_k):
             seq = self.trace.sequences[self.sequences[seq_id]]
             at = start - len(seq.prompt)  # the bonus's completion index
-            if seq.completion[at] != bonus:
-                raise ReplayMismatch(f"sequence {seq_id} drafts after {bonus} where the trace committed {seq.completion[at]}")
+            if not 0 <= at < len(seq.cand_tokens) or seq.completion[at] != bonus:
+                raise ReplayMismatch(f"sequence {seq_id} drafts after token {bonus} at position {start}, which trace "
+                                     f"sequence {self.sequences[seq_id]} did not commit there")
             out.append(seq.candidates(at, max(0, min(depth, self.block_size - 1)), k))
         return out
 

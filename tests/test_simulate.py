@@ -161,3 +161,15 @@ def test_the_shipped_cost_models_load():
         ts = [cost.T(r) for r in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)]
         assert all(b >= a - 1e-12 for a, b in zip(ts, ts[1:])), f.name
         assert cost.D(1) > 0 and json.loads(f.read_text())["note"]
+
+
+def test_the_shipped_trace_replays_losslessly():
+    """benchmarks/traces/mixed-36x128.npz (SmolLM2 + the shipped drafter): a few of its
+    sequences, batched, commit their recorded tokens at a tree budget and under auto."""
+    trace = Trace.load(Path(__file__).resolve().parents[1] / "benchmarks" / "traces" / "mixed-36x128.npz")
+    assert len(trace.sequences) == 36 and trace.block_size == 8 and trace.top_k == 32
+    assert trace.meta["prompt_files"] == ["gsm8k-test.jsonl", "humaneval.jsonl", "vicuna-bench.jsonl"]
+    few = Trace(trace.sequences[:3], trace.meta)
+    for budget in (16, "auto"):
+        row = simulate(few, CostModel.load(COSTS / "h200-smollm2.json"), budget, 3)
+        assert row.requests == 3 and row.tau > 1.5
