@@ -605,7 +605,7 @@ def build_parser() -> argparse.ArgumentParser:
                      "cache holds it, draft_seconds, overhead)")
     sim.add_argument("--policy", default="auto,0,chain,16,64", help="comma-separated budgets")
     sim.add_argument("--concurrency", default="1,4,16,64", help="comma-separated stream counts")
-    sim.add_argument("--requests", type=int, help="completions per cell (default: max(streams, sequences))")
+    sim.add_argument("--requests", type=int, help="completions per cell (default: max(2 x streams, sequences))")
     sim.add_argument("--max-step-tokens", type=int, default=1024, help="verify rows per step (BatchLimits)")
     sim.add_argument("--lookup", action="store_true", help="lookup branches in every tree budget's trees")
     sim.add_argument("--json", help="write one row per cell here")

@@ -258,10 +258,16 @@ class SimRow:
     predicted: float = 0.0  # budget auto: accepted tokens the policy expected ...
     accepted: int = 0  # ... and what those rounds accepted
     granted: dict = field(default_factory=dict)  # budget a round was granted -> rounds
+    busy_tokens: int = 0  # the tokens of the steps that began with every stream holding a request ...
+    busy_seconds: float = 0.0  # ... and their seconds (the ramp and drain of a closed loop left out)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def busy_tokens_per_s(self) -> float:
+        return self.busy_tokens / self.busy_seconds if self.busy_seconds else 0.0
 
     @property
     def tau(self) -> float | None:
@@ -275,7 +281,8 @@ class SimRow:
     def summary(self) -> dict:
         d = asdict(self)
         d["granted"] = {str(b): n for b, n in self.granted.items()}
-        d.update(tokens_per_s=self.tokens_per_s, tau=self.tau, mean_nodes=self.mean_nodes)
+        d.update(tokens_per_s=self.tokens_per_s, busy_tokens_per_s=self.busy_tokens_per_s, tau=self.tau,
+                 mean_nodes=self.mean_nodes)
         return d
 
     def line(self) -> str:
@@ -302,14 +309,14 @@ def replay_scheduler(trace: Trace, cost: CostModel, concurrency: int, max_step_t
 
 def simulate(trace: Trace, cost: CostModel, budget: Budget, concurrency: int, requests: int | None = None,
              lookup: bool = False, max_step_tokens: int = 1024, scheduler: Scheduler | None = None) -> SimRow:
-    """`requests` completions (default: max(concurrency, the trace's sequences)), the trace's
+    """`requests` completions (default: max(2 x concurrency, the trace's sequences)), the trace's
     sequences in turn, over `concurrency` closed-loop streams -> the cell's row. Raises
     ReplayMismatch where a result's tokens are not the trace's."""
     scheduler = scheduler or replay_scheduler(trace, cost, concurrency, max_step_tokens, lookup,
                                               calibrate=budget == "auto")
     clock, drafter = scheduler.clock, scheduler.drafter
     seqs = trace.sequences
-    requests = requests or max(concurrency, len(seqs))
+    requests = requests or max(2 * concurrency, len(seqs))
     todo = deque(i % len(seqs) for i in range(requests))
     live: dict[int, int] = {}  # scheduler sequence id -> trace sequence
     row = SimRow(cost.name, budget, concurrency)
@@ -325,7 +332,12 @@ def simulate(trace: Trace, cost: CostModel, budget: Budget, concurrency: int, re
     start = clock()
     while live:
         row.steps += 1
-        for seq_id, update in scheduler.step():
+        busy, before = len(live) == concurrency, clock()
+        updates = scheduler.step()
+        if busy:
+            row.busy_seconds += clock() - before
+            row.busy_tokens += sum(len(update.new_tokens) for _, update in updates)
+        for seq_id, update in updates:
             if update.result is None:
                 continue
             i, result = live.pop(seq_id), update.result
@@ -352,7 +364,8 @@ def simulate(trace: Trace, cost: CostModel, budget: Budget, concurrency: int, re
 
 def markdown(rows: list[SimRow]) -> str:
     """One table per cost model: tokens/s per budget (rows) and concurrency (columns), and each
-    budget's ratio to plain decoding; auto's also to the best fixed budget."""
+    budget's ratio to plain decoding; auto's also to the best fixed budget, and its predicted
+    over realized accepted tokens."""
     out = []
     for cost in dict.fromkeys(r.cost for r in rows):
         cells = {(r.budget, r.concurrency): r for r in rows if r.cost == cost}
@@ -369,13 +382,16 @@ def markdown(rows: list[SimRow]) -> str:
                     parts.append("")
                     continue
                 ratio = f" ({r.tokens_per_s / plain.tokens_per_s:.2f}x)" if plain and plain.tokens_per_s else ""
-                parts.append(f"{r.tokens_per_s:.1f}{ratio}; {r.tau or 0:.2f}; {r.mean_nodes:.1f}")
+                told = f"; pred/real {r.predicted / r.accepted:.2f}" if r.budget == "auto" and r.accepted else ""
+                parts.append(f"{r.tokens_per_s:.1f}{ratio}; {r.tau or 0:.2f}; {r.mean_nodes:.1f}{told}")
             out.append(f"| {b} | " + " | ".join(parts) + " |")
         if any(b == "auto" for b in budgets):
-            best = []
-            for c in levels:
-                fixed = [cells[(b, c)].tokens_per_s for b in budgets if b != "auto" and (b, c) in cells]
-                auto = cells.get(("auto", c))
-                best.append(f"{auto.tokens_per_s / max(fixed):.2f}x" if auto and fixed and max(fixed) else "")
-            out.append("| auto / best fixed | " + " | ".join(best) + " |")
+            for label, rate in (("auto / best fixed", lambda r: r.tokens_per_s),
+                                ("busy steps: auto / best fixed", lambda r: r.busy_tokens_per_s)):
+                best = []
+                for c in levels:
+                    fixed = [rate(cells[(b, c)]) for b in budgets if b != "auto" and (b, c) in cells]
+                    auto = cells.get(("auto", c))
+                    best.append(f"{rate(auto) / max(fixed):.2f}x" if auto and fixed and max(fixed) else "")
+                out.append(f"| {label} | " + " | ".join(best) + " |")
     return "\n".join(out)

@@ -171,5 +171,5 @@ def test_the_shipped_trace_replays_losslessly():
     assert trace.meta["prompt_files"] == ["gsm8k-test.jsonl", "humaneval.jsonl", "vicuna-bench.jsonl"]
     few = Trace(trace.sequences[:3], trace.meta)
     for budget in (16, "auto"):
-        row = simulate(few, CostModel.load(COSTS / "h200-smollm2.json"), budget, 3)
+        row = simulate(few, CostModel.load(COSTS / "h200-smollm2.json"), budget, 3, requests=3)
         assert row.requests == 3 and row.tau > 1.5
