@@ -291,29 +291,33 @@ class SimRow:
 
 
 def replay_scheduler(trace: Trace, cost: CostModel, concurrency: int, max_step_tokens: int = 1024,
-                     lookup: bool = False, calibrate: bool = True) -> Scheduler:
+                     lookup: bool = False, calibrate: bool = True, policy=None) -> Scheduler:
     """A Scheduler over the replay backends and a virtual clock, room for `concurrency` sequences
     (its KV pool holds every one whole: a replay prices compute, not memory); with `calibrate`,
-    its policy's T(r) measured at start-up as the engine's is (workers.policy.measure_step_cost)."""
+    its policy's T(r) measured at start-up as the engine's is (workers.policy.measure_step_cost).
+    `policy`: the budget policy "auto" runs (the Scheduler's `policy`; a fresh BudgetPolicy by
+    default)."""
     clock = VirtualClock()
     longest = max(len(s.prompt) + s.max_tokens for s in trace.sequences)
     steps = max(max_step_tokens, concurrency)
     limits = BatchLimits(max_num_seqs=concurrency, max_step_tokens=steps,
                          kv_cache_tokens=concurrency * (longest + 2 * 129) + steps + 128)
     scheduler = Scheduler(ReplayTarget(trace, cost, clock), ReplayDrafter(trace, cost, clock), 0, limits,
-                          lookup=lookup, clock=clock)
+                          policy=policy, lookup=lookup, clock=clock)
     if calibrate:  # what measure_step_cost through the replay target measures (tests/test_simulate.py), without its work
         scheduler.policy.calibrate(CostCurve({r: cost.T(r) for r in row_counts(steps)}))
     return scheduler
 
 
 def simulate(trace: Trace, cost: CostModel, budget: Budget, concurrency: int, requests: int | None = None,
-             lookup: bool = False, max_step_tokens: int = 1024, scheduler: Scheduler | None = None) -> SimRow:
+             lookup: bool = False, max_step_tokens: int = 1024, scheduler: Scheduler | None = None,
+             policy=None) -> SimRow:
     """`requests` completions (default: max(2 x concurrency, the trace's sequences)), the trace's
     sequences in turn, over `concurrency` closed-loop streams -> the cell's row. Raises
-    ReplayMismatch where a result's tokens are not the trace's."""
+    ReplayMismatch where a result's tokens are not the trace's. `policy`: a fresh budget policy
+    object for budget "auto" (replay_scheduler)."""
     scheduler = scheduler or replay_scheduler(trace, cost, concurrency, max_step_tokens, lookup,
-                                              calibrate=budget == "auto")
+                                              calibrate=budget == "auto", policy=policy)
     clock, drafter = scheduler.clock, scheduler.drafter
     seqs = trace.sequences
     requests = requests or max(2 * concurrency, len(seqs))
