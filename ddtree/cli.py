@@ -331,6 +331,86 @@ def _load_bench(args: argparse.Namespace, config, budgets: list) -> int:
     return 0
 
 
+MIXED_FILES = ("gsm8k-test.jsonl", "humaneval.jsonl", "vicuna-bench.jsonl")  # benchmarks/data: the mixed workload
+
+
+def interleaved_prompts(files: list[str], per_file: int) -> list[str]:
+    """The first `per_file` prompts of each file, interleaved (a, b, c, a, b, c, ...): the
+    mixed workload of benchmarks/budget_policy.py."""
+    from .bench import read_prompts
+
+    sets = [read_prompts(f, per_file) for f in files]
+    return [p for group in zip(*sets) for p in group]
+
+
+def _trace(args: argparse.Namespace) -> int:
+    """`ddtree trace`: record a trace (ddtree.trace) of prompts from one or more files."""
+    from tqdm import tqdm
+
+    from . import trace
+    from .config import parse_budget
+
+    try:
+        config = ModelPairConfig(**field_values(args, BENCH_FIELDS), budget=parse_budget(args.budget),
+                                 max_num_seqs=args.streams, max_step_tokens=max(1024, args.streams))
+    except (ValueError, ValidationError) as err:
+        print(f"ddtree trace: {err}", file=sys.stderr)
+        return 2
+    files = args.prompts or [str(Path("benchmarks/data") / f) for f in MIXED_FILES]
+    texts = interleaved_prompts(files, args.per_file)
+    from .engine import Engine
+
+    engine = Engine.from_config(config)
+    # the completions first, kept beside the output: an interrupted recording starts again from them
+    done = Path(str(args.out) + ".completions.json")
+    completions = json.loads(done.read_text()) if done.is_file() else None
+    if completions is None:
+        print(f"ddtree trace: {len(texts)} completions, {args.max_tokens} tokens, budget {config.budget}, "
+              f"{args.streams} at a time", file=sys.stderr, flush=True)
+    with tqdm(total=len(texts), desc="candidates", unit="sequence") as bar:
+        recorded = trace.record(engine, texts, args.max_tokens, args.topk, budget=config.budget,
+                                completions=completions, progress=lambda i, n: bar.update(1),
+                                on_completions=lambda c: done.write_text(json.dumps(c)))
+    recorded.meta.update(prompt_files=[Path(f).name for f in files], per_file=args.per_file,
+                         model=config.model or "SmolLM2-135M-Instruct", drafter=config.drafter or "shipped",
+                         dtype=config.dtype, weights=config.weights)
+    recorded.save(args.out)
+    done.unlink(missing_ok=True)
+    size = Path(args.out).stat().st_size
+    print(f"{args.out}: {len(recorded.sequences)} sequences, "
+          f"{sum(len(s.completion) for s in recorded.sequences)} completion tokens, K {args.topk}, {size / 1e6:.2f} MB")
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    """`ddtree simulate`: replay a trace under cost models and policies (ddtree.simulate)."""
+    from . import simulate
+    from .config import parse_budget
+
+    try:
+        policies = [parse_budget(p.strip()) for p in args.policy.split(",")]
+        levels = [int(c) for c in args.concurrency.split(",")]
+        costs = [simulate.CostModel.load(c) for c in args.cost]
+    except (ValueError, OSError) as err:
+        print(f"ddtree simulate: {err}", file=sys.stderr)
+        return 2
+    recorded = simulate.Trace.load(args.trace)
+    rows = []
+    for cost in costs:
+        for c in levels:
+            for policy in policies:
+                rows.append(simulate.simulate(recorded, cost, policy, c, requests=args.requests,
+                                              lookup=args.lookup, max_step_tokens=args.max_step_tokens))
+                if args.progress:
+                    print(rows[-1].line(), file=sys.stderr, flush=True)
+    print(f"{args.trace}: {len(recorded.sequences)} sequences; virtual seconds under each cost model")
+    print(simulate.markdown(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.summary() for r in rows], f, indent=2)
+    return 0
+
+
 def parse_mix(text: str) -> dict[str, float]:
     """'code=0.4,chat=0.4,math=0.2' -> {'code': 0.4, ...}; the domains data.OPENERS knows."""
     from .training.data import OPENERS
@@ -557,6 +637,35 @@ def build_parser() -> argparse.ArgumentParser:
                        "with this command's --model, --drafter, --dtype, --weights)")
     bench.add_argument("--api-key", help="with --url: the server's API key")
     bench.set_defaults(func=_bench)
+
+    tr = sub.add_parser("trace", help="record a trace for `ddtree simulate`: completions and the drafter's "
+                        "candidates at every position (default prompts: the mixed workload of benchmarks/data)")
+    tr.add_argument("--prompts", action="append", help="JSONL with question, turns[0] or prompt (repeatable; "
+                    "interleaved; default: gsm8k-test, humaneval, vicuna-bench in benchmarks/data)")
+    tr.add_argument("--per-file", type=int, default=12, help="prompts taken from each file")
+    tr.add_argument("--max-tokens", type=int, default=128)
+    tr.add_argument("--topk", type=int, default=32, help="the drafter's candidates kept per depth")
+    tr.add_argument("--budget", default="auto", help="the budget the completions run at (any commits the same "
+                    "tokens; auto also measures the drafter's and the step's costs for the trace's metadata)")
+    tr.add_argument("--streams", type=int, default=16, help="completions run at once")
+    tr.add_argument("--out", required=True, help="the trace file (.npz)")
+    add_field_flags(tr.add_argument_group("ModelPairConfig fields"), ModelPairConfig, BENCH_FIELDS)
+    tr.set_defaults(func=_trace)
+
+    sim = sub.add_parser("simulate", help="replay a trace under cost models and budget policies: tokens/s per "
+                         "concurrency on a virtual clock, deterministic")
+    sim.add_argument("--trace", required=True, help="a trace file (`ddtree trace`; benchmarks/traces/)")
+    sim.add_argument("--cost", action="append", required=True,
+                     help="a cost model JSON (repeatable; benchmarks/costs/: step_seconds as the calibration "
+                     "cache holds it, draft_seconds, overhead)")
+    sim.add_argument("--policy", default="auto,0,chain,16,64", help="comma-separated budgets")
+    sim.add_argument("--concurrency", default="1,4,16,64", help="comma-separated stream counts")
+    sim.add_argument("--requests", type=int, help="completions per cell (default: max(2 x streams, sequences))")
+    sim.add_argument("--max-step-tokens", type=int, default=1024, help="verify rows per step (BatchLimits)")
+    sim.add_argument("--lookup", action="store_true", help="lookup branches in every tree budget's trees")
+    sim.add_argument("--json", help="write one row per cell here")
+    sim.add_argument("--progress", action="store_true", help="each cell's line on stderr as it ends")
+    sim.set_defaults(func=_simulate)
 
     aud = sub.add_parser("audit", help="every output of a grid of settings against the target's plain decoding; "
                          "exit 1 on a real divergence (near-ties listed with their gaps)")

@@ -109,7 +109,6 @@ import functools
 import heapq
 import math
 import random
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -1288,7 +1287,7 @@ def measure_step_cost(scheduler, counts: list[int], repeats: int = 3,
     """Seconds of one target forward over r rows after CALIBRATION_CONTEXT committed tokens (none
     in a pool too small for them), per r in `counts` that fits the KV pool (`measurable`), through
     the scheduler's target backend and pool (its pages go back after): the least of its timings.
-    What T(r) costs does not depend on the token values.
+    What T(r) costs does not depend on the token values. Timed by the scheduler's clock.
 
     The counts are timed in rounds, a warm-up round and then `repeats` (the cheap counts, up to
     DENSE_COUNT rows, in at least `dense_repeats`), each round in its own shuffled order, so that a
@@ -1301,7 +1300,7 @@ def measure_step_cost(scheduler, counts: list[int], repeats: int = 3,
     43-46, T(9) 49-50 (a tile's step), T(11) 51-53. On that shape a lone sequence's 3 nodes looked
     2 ms dear where they took 8, and 8 nodes as cheap as 7: auto verified 3- and 8-node trees at
     ~290 of ~315 steps a pass and ran 0.88x budget 4 at one stream."""
-    target, pool = scheduler.target, scheduler.pool
+    target, pool, clock = scheduler.target, scheduler.pool, scheduler.clock
     counts = measurable(scheduler, counts)
     context = calibration_context(pool)
     capture = tuple(scheduler.drafter.target_layer_ids) if scheduler.drafter is not None else ()
@@ -1323,10 +1322,10 @@ def measure_step_cost(scheduler, counts: list[int], repeats: int = 3,
             order = list(counts if round_ <= repeats else cheap)
             random.Random(round_).shuffle(order)
             for r in order:
-                start = time.perf_counter()
+                start = clock()
                 target.forward(batch(context, context + r))
                 if round_:
-                    times[r].append(time.perf_counter() - start)
+                    times[r].append(clock() - start)
     finally:
         pool.release(pages)
     return {r: min(t) for r, t in times.items()}

@@ -253,6 +253,7 @@ class Scheduler:
         lookup: bool = False,  # lookup branches in every tree unless a request says otherwise
         topk: int | None = None,  # the most children a tree node may have unless a request says otherwise
         record_features: tuple[int, ...] = (),  # target layers every sequence keeps (Result.features); budget 0 only
+        clock: Callable[[], float] = time.perf_counter,  # seconds: what every phase is timed by (ddtree.simulate: a virtual one)
     ):
         if limits.max_num_seqs > limits.max_step_tokens:
             raise ValueError(
@@ -260,7 +261,7 @@ class Scheduler:
                 "a step could not give every sequence one verify row"
             )
         self.target, self.drafter = target, drafter
-        self.limits, self.decode = limits, decode
+        self.limits, self.decode, self.clock = limits, decode, clock
         self.budget = check_budget(budget, drafter is not None)
         self.policy = policy or BudgetPolicy()
         self.policy.packed = getattr(target, "packs_rows", False)  # its cost model follows the target's rows
@@ -310,7 +311,7 @@ class Scheduler:
         held = len(self.running) + len(self.waiting) + len(self._arrivals)
         if held >= self.limits.max_num_seqs + self.limits.max_waiting:
             raise QueueFull(f"{self.limits.max_num_seqs} requests run and {self.limits.max_waiting} wait already")
-        seq = _Sequence(self._next_id, request, budget, draw_seed(request.sampling), time.perf_counter(), list(request.prompt),
+        seq = _Sequence(self._next_id, request, budget, draw_seed(request.sampling), self.clock(), list(request.prompt),
                         topk=self.topk if request.topk is None else request.topk)
         if budget == "auto":
             seq.estimate = self.policy.sequence()
@@ -391,7 +392,7 @@ class Scheduler:
 
     def _prefill_chunk(self, seq: _Sequence, end: int) -> bool:
         """Prefills context[length:end]; True when that completed the prefill."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             self._make_room(seq, end)
         except PoolFull:
@@ -409,7 +410,7 @@ class Scheduler:
         if out.features is not None:
             seq.features.add(out.features)
         if not seq.prefilled:
-            seq.prefill_s += time.perf_counter() - t0
+            seq.prefill_s += self.clock() - t0
             return False
         if not seq.output:  # a fresh sequence: its first token; a recomputed one has its bonus
             seq.output.append(int(out.choices[0, 0]))
@@ -418,8 +419,8 @@ class Scheduler:
             slots = len(seq.request.prompt) + seq.request.max_tokens + self.drafter.block_size + 1
             self.drafter.open(seq.id, slots)
             seq.drafting = True
-        seq.prefill_s += time.perf_counter() - t0
-        seq.decode_started = time.perf_counter()
+        seq.prefill_s += self.clock() - t0
+        seq.decode_started = self.clock()
         return True
 
     def _capture(self, seq: _Sequence) -> tuple[int, ...]:
@@ -440,7 +441,7 @@ class Scheduler:
         rows = [_Row(s) for s in self.running if s.prefilled and s.finish_reason is None]
         if not rows:
             return []
-        started = time.perf_counter()
+        started = self.clock()
         plan = self._plan(rows)
         rows = self._reserve(plan)
         if not rows:
@@ -449,7 +450,7 @@ class Scheduler:
         for row, path, n, bonus, features in zip(rows, outcome.paths, outcome.lengths, outcome.bonus,
                                                  outcome.features or [None] * len(rows)):
             self._commit(row, plan, outcome, path[:n], bonus, features)
-        rest_s = time.perf_counter() - started - outcome.verify_s - plan.draft_s
+        rest_s = self.clock() - started - outcome.verify_s - plan.draft_s
         nodes = sum(r.tree.size - 1 for r in rows)
         self.policy.observe_step(len(rows), plan.q_len, outcome.verify_s, plan.drafted, plan.draft_s, rest_s,
                                  nodes, plan.context)
@@ -461,7 +462,7 @@ class Scheduler:
         """4. Who drafts, the drafter's one pass over them, and each row's tree. Fixed budgets ask
         for their nodes (cut to the step's row limit, `grant`); the policy plans which auto
         sequences draft and how wide, then chooses each auto tree's nodes from what they drafted."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         draining = self._draining()
         asked = [0 if r.seq.budget == "auto" else self._nodes(r.seq.budget) for r in rows]
         granted, q_max = grant(asked, self.limits)
@@ -489,7 +490,7 @@ class Scheduler:
                 r.drafts, r.nodes = True, r.seq.estimate.draft_width(most)
         drafting = [r for r in rows if r.drafts]
         self._draft(drafting)
-        t1 = time.perf_counter()
+        t1 = self.clock()
 
         # where nothing drafts, a chain too improbable to pay alone is not built or priced
         floor = 0.0 if baseline or drafting or not estimates else self.policy.lookup_floor(len(rows), most * len(rows))
@@ -500,12 +501,12 @@ class Scheduler:
         for r in auto_trees:
             if r.proposal is None:
                 r.nodes = most
-        t_grow = time.perf_counter()
+        t_grow = self.clock()
         for r in rows:  # a lookup chain alone is grown once the policy chose its nodes
             r.tree = (grow_tree(r.seq.output[-1], r.proposal, r.nodes, r.branch, r.seq.topk) if r.proposal is not None
                       else Tree.root_only(r.seq.output[-1]))
         # the policy prices a draft as the drafter's pass and growing its trees
-        draft_s = (t1 - t0) + (time.perf_counter() - t_grow if drafting else 0.0)
+        draft_s = (t1 - t0) + (self.clock() - t_grow if drafting else 0.0)
         for r in auto_trees:
             r.curve = (self.policy.curve(r.tree, r.seq.estimate, most, root=len(r.seq.output) - 1)
                        if r.proposal is not None else self.policy.chain_curve(r.branch, most))
@@ -523,7 +524,7 @@ class Scheduler:
         q_len = bucket(max(max(r.tree.size for r in rows), max((1 + r.nodes for r in rows if r.drafts and not r.auto),
                                                                 default=1)))
         return StepPlan(rows, q_len, len(drafting), sum(r.pending for r in drafting),
-                        draft_s, time.perf_counter() - t1, probed)
+                        draft_s, self.clock() - t1, probed)
 
     def _draft(self, drafting: list[_Row]) -> None:
         """The drafter's one pass over the drafting rows: each takes in its pending target
@@ -561,7 +562,7 @@ class Scheduler:
         by its own rule, on the target's side), the walks, and the moves of every accepted path's
         KV rows in the pool at once."""
         rows, dev = plan.rows, self.target.device
-        t0 = time.perf_counter()
+        t0 = self.clock()
         seqs, trees = [r.seq for r in rows], [r.tree for r in rows]
         batch = TreeBatch.of(trees, plan.q_len, dev)
         meta = tree_metadata(batch, torch.tensor([s.length for s in seqs], dtype=torch.int64, device=dev))
@@ -574,7 +575,7 @@ class Scheduler:
             draw_positions=meta.positions + 1,  # each node's choice is the token after it
             rows=[t.size for t in trees],
         ))
-        t1 = time.perf_counter()
+        t1 = self.clock()
         walk = walk_batch(batch, out.choices.to(dev))
         paths, lengths, bonus = walk.path.cpu(), walk.length.tolist(), walk.bonus.tolist()
         # every accepted path's KV rows to the positions after its committed prefix, in one
@@ -596,7 +597,7 @@ class Scheduler:
             self.on_verify([VerifyRecord(s.id, s.request, len(s.output), t, plan.q_len, positions[b].tolist(), mask[b].tolist(),
                                          paths[b, :lengths[b]].tolist(), bonus[b])
                             for b, (s, t) in enumerate(zip(seqs, trees))])
-        return StepOutcome(paths, lengths, bonus, features, t1 - t0, time.perf_counter() - t1)
+        return StepOutcome(paths, lengths, bonus, features, t1 - t0, self.clock() - t1)
 
     def _commit(self, row: _Row, plan: StepPlan, outcome: StepOutcome, path: torch.Tensor, bonus: int,
                 features: torch.Tensor | None) -> None:
@@ -707,7 +708,7 @@ class Scheduler:
         seq.sent = len(seq.output)
         result = None
         if seq.finish_reason is not None:
-            now = time.perf_counter()
+            now = self.clock()
             result = Result(seq.output, seq.text, seq.finish_reason, seq.seed, seq.prefill_s,
                             now - seq.decode_started if seq.decode_started else 0.0, seq.rounds)
             if self.record_features:  # every committed token's, in order (the last, pending, has none yet)
