@@ -455,6 +455,25 @@ def _dashboards(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build_kernels(args: argparse.Namespace) -> int:
+    """Compiles ddtree's CPU kernels into the cache (once per machine, source and torch), loads
+    this CPU's build, and says where each build is and for which instruction set. --all also
+    compiles the builds for the other vector widths (an image that runs on other CPUs)."""
+    from .workers import cpu_kernels
+
+    own = cpu_kernels.vector_build()
+    try:
+        for vector in sorted(set(cpu_kernels.VECTOR_FLAGS) | {own} if args.all else {own}):
+            library = cpu_kernels.build_kernels(vector=vector)
+            print(f"ddtree: CPU kernels built for {vector} in {library}")
+        cpu_kernels.load_kernels()
+    except cpu_kernels.KernelsNotBuilt as err:
+        print(f"ddtree build-kernels: {err}", file=sys.stderr)
+        return 1
+    print(f"ddtree: this CPU runs the {own} build")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand and its flags (the flags of config fields come from the models)."""
     parser = argparse.ArgumentParser(prog="ddtree", description=__doc__)
@@ -481,6 +500,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="require `Authorization: Bearer KEY` on every route but /health (repeatable; "
                      "DDTREE_API_KEY, comma-separated, adds keys)")
     srv.set_defaults(func=_serve)
+
+    kernels = sub.add_parser("build-kernels", help="compile ddtree's C++ CPU kernels into the cache (make install "
+                             "does), so that no server compiles them")
+    kernels.add_argument("--all", action="store_true", help="also build for the other vector widths ("
+                         "AVX2, AVX512): for an image whose nodes' CPUs may differ from this one")
+    kernels.set_defaults(func=_build_kernels)
 
     bench = sub.add_parser("bench", help="ddtree at every budget against transformers, side by side")
     bench.add_argument("--prompts", required=True, help="JSONL with question, turns[0] or prompt")

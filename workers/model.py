@@ -24,7 +24,7 @@ from ..kernels.batched import sampled_choices, tree_attention
 from ..kernels.sampling import RowSampling, choose_tokens, is_greedy, processed_probs_rows
 from ..kernels.tree_batch import unpack_bits
 from ..kernels.triton_support import ATTENTION_HEAD_DIMS, use_triton
-from . import cpu_gemm
+from . import cpu_kernels
 
 FAMILIES = ("llama", "qwen3")
 
@@ -270,7 +270,7 @@ def row_ops(*tensors: torch.Tensor) -> bool:
     MLP's norm, the MLP's gating, the rotation) run as ddtree_cpu's one-op kernels: for fp32 on the CPU where
     `linear` takes float_mm, without gradients (the kernels have no backward). At the few rows of
     decoding each torch op's first call after a GEMM costs tens of microseconds whatever its size
-    (workers/cpu_gemm.cpp, "row-wise ops"): SmolLM2's plain decoding at one stream ran 1.06-1.2x
+    (workers/cpu_kernels/rowops.cpp): SmolLM2's plain decoding at one stream ran 1.06-1.2x
     as fast with the norm alone as one op."""
     for t in tensors:
         if t.dtype != torch.float32 or not t.is_cpu:
@@ -279,7 +279,7 @@ def row_ops(*tensors: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; for float32 on the CPU, ddtree's own GEMM (workers.cpu_gemm.float_mm), else
+    """F.linear; for float32 on the CPU, ddtree's own GEMM (workers/cpu_kernels/gemm.cpp, float_mm), else
     oneDNN where the kernel cannot be built. Measured on this 2-core AVX2 machine over SmolLM2's
     matrices: the kernel takes 0.6x oneDNN's time at 1 row and ~0.5x at 9-17 (oneDNN: 0.73x
     MKL's F.linear, whose small-row GEMMs are slow here; benchmarks/verify_cost.py --linear), and
@@ -304,7 +304,7 @@ LINEAR_BACKEND = "ddtree"  # "ddtree": float_mm (oneDNN if it cannot be built); 
 def fp32_route() -> str:
     """The GEMM that `linear` takes for fp32 on the CPU under LINEAR_BACKEND, as this process
     can run it: "float_mm", "onednn" or "torch"."""
-    if LINEAR_BACKEND == "ddtree" and cpu_gemm.float_kernel():
+    if LINEAR_BACKEND == "ddtree" and cpu_kernels.float_kernel():
         return "float_mm"
     return "onednn" if LINEAR_BACKEND in ("ddtree", "onednn") and torch.backends.mkldnn.is_available() else "torch"
 
@@ -313,7 +313,7 @@ def linear_route() -> str:
     """fp32_route named down to the kernel's build (and the attention's route), so that timings
     measured through one route are never reused for another (ddtree.calibrate)."""
     route = fp32_route()
-    named = f"{route}:{cpu_gemm.kernel_key()}" if route == "float_mm" else route
+    named = f"{route}:{cpu_kernels.kernel_key()}" if route == "float_mm" else route
     return named + ("" if ATTENTION_BACKEND == "ddtree" else f"+{ATTENTION_BACKEND}-attention")
 
 
