@@ -14,9 +14,10 @@ from .config import GenerateConfig, ModelPairConfig, SamplingParams
 from .flags import add_field_flags, field_values, flag_name
 
 # The flags that set config fields: each takes its type, default and help from the field.
-GENERATE_FIELDS = ("model", "drafter", "budget", "lookup", "topk", "max_tokens", "stop", "dtype", "weights", "tp")
+GENERATE_FIELDS = ("model", "drafter", "budget", "lookup", "topk", "max_tokens", "stop", "dtype", "weights", "tp",
+                   "deterministic")
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")
-SERVE_FIELDS = ("model", "drafter", "budget", "lookup", "topk")  # on top of --config's
+SERVE_FIELDS = ("model", "drafter", "budget", "lookup", "topk", "deterministic")  # on top of --config's
 BENCH_FIELDS = ("model", "drafter", "dtype", "weights")
 
 
@@ -35,9 +36,13 @@ def _generate(args: argparse.Namespace) -> int:
         for e in err.errors():
             print(f"ddtree generate: {flag_name(str(e['loc'][-1]))}: {e['msg']}", file=sys.stderr)
         return 2
-    from .engine import Engine  # heavy imports after the arguments are known to be valid
+    from .engine import Engine, KernelsUnavailable  # heavy imports after the arguments are known to be valid
 
-    engine = Engine.from_config(config)
+    try:
+        engine = Engine.from_config(config)
+    except KernelsUnavailable as err:
+        print(f"ddtree generate: {err}", file=sys.stderr)
+        return 2
     for prompt, result in zip(args.prompt, engine.generate(engine.chat_requests(args.prompt, config))):
         seconds = result.prefill_s + result.decode_s
         record = {
@@ -124,6 +129,14 @@ def _serve(args: argparse.Namespace) -> int:
         for e in err.errors():
             print(f"ddtree serve: {'.'.join(map(str, e['loc']))}: {e['msg']}", file=sys.stderr)
         return 2
+    if config.deterministic:  # the replica refuses too; here it is said before Ray starts
+        from .engine import KernelsUnavailable, check_kernels
+
+        try:
+            check_kernels(config)
+        except KernelsUnavailable as err:
+            print(f"ddtree serve: {err}", file=sys.stderr)
+            return 2
     import signal
     import threading
 

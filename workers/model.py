@@ -323,13 +323,53 @@ ATTENTION_MAX_ROWS = 65  # query rows per sequence up to which that holds: decod
 
 def cpu_attention(keys: torch.Tensor, q_len: int) -> bool:
     """Whether a block of `q_len` rows per sequence over fp32 CPU storage `keys` attends through
-    ddtree_cpu.tree_attention (workers/cpu_gemm.cpp): keys and values read in place from the
+    ddtree_cpu.tree_attention (workers/cpu_kernels/attention.cpp): keys and values read in place from the
     cache by offset, no gathered copy or dense mask, and every row's arithmetic its own, in the
     order plain decoding sees the same keys -- with float_mm's linears a verify row is bitwise
     plain decoding's. Prefill chunks longer than ATTENTION_MAX_ROWS, and head dimensions that are
     not a multiple of 8 (the kernel's lanes), take SDPA."""
     return (ATTENTION_BACKEND == "ddtree" and keys.dtype == torch.float32 and keys.device.type == "cpu"
-            and q_len <= ATTENTION_MAX_ROWS and keys.shape[-1] % 8 == 0 and cpu_gemm.float_kernel())
+            and q_len <= ATTENTION_MAX_ROWS and keys.shape[-1] % 8 == 0 and cpu_kernels.float_kernel())
+
+
+BITWISE_LINEARS = ("float_mm", "blocks_mm")  # ddtree_cpu's GEMMs: a row's output whatever rows come with it
+
+
+@dataclass(frozen=True)
+class KernelBackends:
+    """Which ops run a target's linears and its attention over the cache in this process (the
+    engine says it at start-up, in /health and in the ddtree_kernel_backend_info metric). With
+    ddtree_cpu's GEMMs and tree attention a tree node's logits are bitwise plain decoding's; any
+    other backend moves rows with the row count, so near-ties can break differently
+    (docs/cpu-kernels.md, "Numerics")."""
+
+    linear: str  # "float_mm" / "blocks_mm" (ddtree_cpu), "onednn" (fp32 fallback) or "torch" (F.linear)
+    attention: str  # "tree_attention" (ddtree_cpu) or "sdpa" (torch's; Triton's kernel on CUDA)
+    reason: str | None  # why ddtree_cpu's kernels do not run both, None when they do
+
+    @property
+    def bitwise(self) -> bool:
+        return self.linear in BITWISE_LINEARS and self.attention == "tree_attention"
+
+    def as_dict(self) -> dict:
+        return {"linear": self.linear, "attention": self.attention, "bitwise": self.bitwise, "reason": self.reason}
+
+
+def kernel_backends(dtype: torch.dtype, device: torch.device | str, weights: str = "float") -> KernelBackends:
+    """The backends a target of `dtype` on `device` runs here (weights "native": GGUF blocks
+    through blocks_mm). ddtree_cpu serves fp32 on the CPU when its library is built and loads
+    (workers.cpu_kernels), under LINEAR_BACKEND and ATTENTION_BACKEND "ddtree"."""
+    if torch.device(device).type != "cpu":
+        return KernelBackends("torch", "sdpa", f"the target runs on {torch.device(device).type}: ddtree_cpu serves the CPU")
+    if dtype != torch.float32:
+        return KernelBackends("torch", "sdpa", f"the target is {str(dtype).removeprefix('torch.')}: ddtree_cpu serves float32")
+    route = fp32_route()
+    linear = "blocks_mm" if weights == "native" and route == "float_mm" else route
+    attention = "tree_attention" if ATTENTION_BACKEND == "ddtree" and cpu_kernels.float_kernel() else "sdpa"
+    reason = cpu_kernels.unavailable_reason()
+    if reason is None and (linear not in BITWISE_LINEARS or attention != "tree_attention"):
+        reason = f"LINEAR_BACKEND {LINEAR_BACKEND!r}, ATTENTION_BACKEND {ATTENTION_BACKEND!r}"
+    return KernelBackends(linear, attention, reason)
 
 
 def dense_block_mask(block_mask, batch: int) -> torch.Tensor:

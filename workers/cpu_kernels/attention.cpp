@@ -14,7 +14,6 @@
 // tree), m = max s_k, p_k = exp(s_k - m) (expf_lanes: a fixed polynomial, < 2 ulp), l = the sum
 // of p_k in key order, out = (sum over k in key order of p_k v_k) / l.
 
-
 #include "common.h"
 #include "ops.h"
 
