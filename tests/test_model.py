@@ -94,7 +94,8 @@ def test_fp32_tree_verify_is_bitwise_plain_decoding(tmp_path, family):
     """In float32 on the CPU, with ddtree_cpu's row-invariant linears (float_mm) and attention
     (tree_attention), a tree node's logits are bitwise the logits plain decoding computes one
     token at a time along the node's path: the verify pass can change no token, not even at a
-    near-tie. (torch's SDPA and oneDNN give the same values only up to float summation order.)"""
+    near-tie. (torch's SDPA and oneDNN, the fallback, give the same values only up to float
+    summation order: docs/cpu-kernels.md, "Numerics".)"""
     from ddtree.workers import cpu_kernels
 
     if not cpu_kernels.float_kernel():

@@ -578,7 +578,7 @@ namespace {
 // AVX-512 (32 registers, where torch reports the capability and the kernel is built with
 // -mavx512f): 16 lanes -- lane j sums k = j mod 16, and the lanes add as j and j + 8 pairwise,
 // then sum_lanes' tree: a fixed order as with 8 lanes, so rows stay batch-invariant (another
-// order than the AVX2 build's; cpu_gemm.kernel_key names the build). Up to 9 rows pass over a
+// order than the AVX2 build's; workers.cpu_kernels.kernel_key names the build). Up to 9 rows pass over a
 // tile together, in tiles of up to 24 accumulators; more rows go in groups of at most 5 (tiles of
 // 4 x 6 and 5 x 4). The lanes of a tile's sums are added 16 vectors at a time (lane_sums: the
 // same tree, the pairs moved side by side by shuffles; 45 instructions for 16 sums instead of
