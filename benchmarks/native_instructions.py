@@ -25,10 +25,11 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # [N, K] of one Smo
 
 
 def run(kinds: list[str], rows: list[int]) -> None:
-    from ddtree.workers.cpu_gemm import load_kernel
+    from ddtree.workers.cpu_kernels import build_kernels, load_kernels
     from ddtree.workers.quantized import BLOCK_VALUES, QuantizedLinear, random_blocks
 
-    load_kernel()
+    build_kernels()
+    load_kernels()
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
     calls = []

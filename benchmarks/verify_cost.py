@@ -16,7 +16,7 @@ linears' multiply-adds (nn.Linear and native QuantizedLinear alike), at the rate
 retires them in the kernel's vectors with nothing waiting on memory (ddtree_cpu.fma_rate), times
 the threads -- what T(q) cannot go below on this machine, however the weights stream.
 
---build AVX2 runs the kernel's AVX2 build on an AVX-512 machine (workers.cpu_gemm.vector_build);
+--build AVX2 runs the kernel's AVX2 build on an AVX-512 machine (workers.cpu_kernels.vector_build);
 the native curve of both builds, as an AVX2 machine and this one run it:
 
     python benchmarks/verify_cost.py --weights native --linear ddtree --sizes 1,5,9,17 --build AVX2
@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from ddtree.workers import cpu_gemm
+from ddtree.workers import cpu_kernels
 from ddtree.workers import model as target_model
 from ddtree.workers.loading import load_target
 from ddtree.workers.quantized import QuantizedLinear
@@ -50,11 +50,15 @@ def main() -> None:
     parser.add_argument("--weights", default="float", choices=["float", "native"])
     parser.add_argument("--repeats", type=int, default=1, help="timed forwards in a row per size and round")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--build", choices=list(cpu_gemm.VECTOR_FLAGS),
+    parser.add_argument("--build", choices=list(cpu_kernels.VECTOR_FLAGS),
                         help="the kernel's vector build (default: the CPU's own; AVX2 on an AVX-512 CPU measures the AVX2 build)")
     args = parser.parse_args()
     if args.build:
-        os.environ["DDTREE_CPU_BUILD"] = args.build  # read when the kernel first loads, below
+        os.environ["DDTREE_CPU_BUILD"] = args.build  # read when the kernels build and load, below
+    try:
+        cpu_kernels.build_kernels()  # this build (once); the model then loads it
+    except cpu_kernels.KernelsNotBuilt as err:
+        print(f"verify_cost: measuring without ddtree's CPU kernels: {err}")
     torch.set_num_threads(args.threads)
     sizes = [int(q) for q in args.sizes.split(",")]
     backends = [f"{linear}/{attention}" for linear in args.linear.split(",") for attention in args.attention.split(",")]
@@ -78,7 +82,7 @@ def main() -> None:
                     times[backend, q].append(time.perf_counter() - start)
 
     floor = fma_floor(model, args.threads)
-    print(f"torch {torch.__version__}, {args.threads} threads, weights {args.weights}, kernel build {cpu_gemm.vector_build()}, "
+    print(f"torch {torch.__version__}, {args.threads} threads, weights {args.weights}, kernel build {cpu_kernels.vector_build()}, "
           f"{args.rounds} rounds x {args.repeats}, cache {CONTEXT} tokens; median ms and T(q)/T(1)")
     print("| q | " + " | ".join(f"{b} T(q) ms | {b} T(q)/T(1)" for b in backends) + (" | FMA floor ms |" if floor else " |"))
     print("|---|" + "---|---|" * len(backends) + ("---|" if floor else ""))
@@ -95,7 +99,7 @@ def main() -> None:
 def fma_floor(model, threads: int) -> float | None:
     """Seconds per row that the linears' fused multiply-adds take at the cores' measured peak (the
     best of five measurements), or None where ddtree's CPU kernel is not built."""
-    if not cpu_gemm.float_kernel():
+    if not cpu_kernels.float_kernel():
         return None
     rate = max(torch.ops.ddtree_cpu.fma_rate(20_000_000) for _ in range(5))
     macs = sum(module.weight.numel() for module in model.modules() if isinstance(module, torch.nn.Linear))

@@ -10,9 +10,10 @@ position with both tokens and how close the target was to choosing otherwise the
 - seeded (T > 0): how far the seeded draw for that position lies from the nearest edge between
   two tokens in the processed distribution's CDF.
 
-Below the dtype's threshold (`TIE_THRESHOLDS`) it is a near-tie -- a tree-verify pass and a
-one-token step sum in different orders, so logits differ in the last bits, and where that flips a
-token it is not a bug -- else it is a real divergence, and the audit fails.
+Below the dtype's threshold (`TIE_THRESHOLDS`) it is a near-tie -- where ddtree's bitwise CPU
+kernels do not run (their fallback, other dtypes, CUDA), a tree-verify pass and a one-token step
+sum in different orders, so logits differ in the last bits, and where that flips a token it is
+not a bug (docs/cpu-kernels.md, "Numerics") -- else it is a real divergence, and the audit fails.
 
 What is audited: the engine in process, or (`ServedOutputs`, `--url`) a running server through
 the official openai client, each setting's streams sent as concurrent requests that return their

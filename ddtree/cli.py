@@ -14,9 +14,10 @@ from .config import GenerateConfig, ModelPairConfig, SamplingParams
 from .flags import add_field_flags, field_values, flag_name
 
 # The flags that set config fields: each takes its type, default and help from the field.
-GENERATE_FIELDS = ("model", "drafter", "budget", "lookup", "topk", "max_tokens", "stop", "dtype", "weights", "tp")
+GENERATE_FIELDS = ("model", "drafter", "budget", "lookup", "topk", "max_tokens", "stop", "dtype", "weights", "tp",
+                   "deterministic")
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")
-SERVE_FIELDS = ("model", "drafter", "budget", "lookup", "topk")  # on top of --config's
+SERVE_FIELDS = ("model", "drafter", "budget", "lookup", "topk", "deterministic")  # on top of --config's
 BENCH_FIELDS = ("model", "drafter", "dtype", "weights")
 
 
@@ -35,9 +36,13 @@ def _generate(args: argparse.Namespace) -> int:
         for e in err.errors():
             print(f"ddtree generate: {flag_name(str(e['loc'][-1]))}: {e['msg']}", file=sys.stderr)
         return 2
-    from .engine import Engine  # heavy imports after the arguments are known to be valid
+    from .engine import Engine, KernelsUnavailable  # heavy imports after the arguments are known to be valid
 
-    engine = Engine.from_config(config)
+    try:
+        engine = Engine.from_config(config)
+    except KernelsUnavailable as err:
+        print(f"ddtree generate: {err}", file=sys.stderr)
+        return 2
     for prompt, result in zip(args.prompt, engine.generate(engine.chat_requests(args.prompt, config))):
         seconds = result.prefill_s + result.decode_s
         record = {
@@ -130,6 +135,14 @@ def _serve(args: argparse.Namespace) -> int:
         for e in err.errors():
             print(f"ddtree serve: {'.'.join(map(str, e['loc']))}: {e['msg']}", file=sys.stderr)
         return 2
+    if config.deterministic:  # the replica refuses too; here it is said before Ray starts
+        from .engine import KernelsUnavailable, check_kernels
+
+        try:
+            check_kernels(config)
+        except KernelsUnavailable as err:
+            print(f"ddtree serve: {err}", file=sys.stderr)
+            return 2
     import signal
     import threading
 
@@ -583,6 +596,25 @@ def _dashboards(args: argparse.Namespace) -> int:
     return 0
 
 
+def _build_kernels(args: argparse.Namespace) -> int:
+    """Compiles ddtree's CPU kernels into the cache (once per machine, source and torch), loads
+    this CPU's build, and says where each build is and for which instruction set. --all also
+    compiles the builds for the other vector widths (an image that runs on other CPUs)."""
+    from .workers import cpu_kernels
+
+    own = cpu_kernels.vector_build()
+    try:
+        for vector in sorted(set(cpu_kernels.VECTOR_FLAGS) | {own} if args.all else {own}):
+            library = cpu_kernels.build_kernels(vector=vector)
+            print(f"ddtree: CPU kernels built for {vector} in {library}")
+        cpu_kernels.load_kernels()
+    except cpu_kernels.KernelsNotBuilt as err:
+        print(f"ddtree build-kernels: {err}", file=sys.stderr)
+        return 1
+    print(f"ddtree: this CPU runs the {own} build")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every subcommand and its flags (the flags of config fields come from the models)."""
     parser = argparse.ArgumentParser(prog="ddtree", description=__doc__)
@@ -609,6 +641,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="require `Authorization: Bearer KEY` on every route but /health (repeatable; "
                      "DDTREE_API_KEY, comma-separated, adds keys)")
     srv.set_defaults(func=_serve)
+
+    kernels = sub.add_parser("build-kernels", help="compile ddtree's C++ CPU kernels into the cache (make install "
+                             "does), so that no server compiles them")
+    kernels.add_argument("--all", action="store_true", help="also build for the other vector widths ("
+                         "AVX2, AVX512): for an image whose nodes' CPUs may differ from this one")
+    kernels.set_defaults(func=_build_kernels)
 
     bench = sub.add_parser("bench", help="ddtree at every budget against transformers, side by side")
     bench.add_argument("--prompts", required=True, help="JSONL with question, turns[0] or prompt")

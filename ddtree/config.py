@@ -105,6 +105,13 @@ class ModelPairConfig(BaseModel):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the models run: 'auto' = CUDA when a GPU is visible, else CPU."
     )
+    deterministic: bool = Field(
+        False, description="Refuse to start unless ddtree's bitwise CPU kernels run the target's linears and "
+        "attention (float32 on the CPU, the library built by `ddtree build-kernels` or `make install`): then a "
+        "tree node's logits are bitwise plain decoding's and no near-tie breaks differently. False = where "
+        "they cannot run, fall back to oneDNN and SDPA and say so at start-up, in /health and in the "
+        "ddtree_kernel_backend_info metric (docs/cpu-kernels.md)."
+    )
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra variables for the chat template, as vLLM's `chat_template_kwargs` "
         "(e.g. {\"enable_thinking\": true}); a request's own are merged over these. None = the pair's "

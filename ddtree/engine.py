@@ -24,7 +24,7 @@ from .config import GenerateConfig, ModelPairConfig, SamplingParams
 from .workers.drafter import DFlashDrafter
 from .workers.kv_pool import KVStorage, pool_memory
 from .workers.loading import LoadedTarget, load_target, load_tokenizer, target_directory
-from .workers.model import ModelConfig
+from .workers.model import KernelBackends, ModelConfig, kernel_backends
 from .workers.requests import Budget, Request, Result, Update, check_budget, tree_rows
 from .workers.scheduler import BatchLimits, Scheduler, bucket
 
@@ -95,6 +95,33 @@ def batch_limits(config: ModelPairConfig, model: ModelConfig, dtype: torch.dtype
                        tokens, config.kv_page_tokens)
 
 
+class KernelsUnavailable(RuntimeError):
+    """`deterministic: true` and ddtree's bitwise CPU kernels cannot run the target here."""
+
+
+def check_kernels(config: ModelPairConfig) -> KernelBackends:
+    """The backends this process runs the target's linears and attention through, said in the
+    log: the bitwise kernels, or the fallback and why. KernelsUnavailable instead of a fallback
+    when the config asks for `deterministic`. (At tp > 1 the TargetShard actors load the build of
+    their own machine; this checks the engine's.)"""
+    backends = kernel_backends(getattr(torch, config.dtype), device(config), config.weights)
+    if backends.bitwise:
+        logger.info("ddtree engine: linears %s, attention %s (ddtree_cpu: bitwise, batch-invariant)",
+                    backends.linear, backends.attention)
+    elif config.deterministic:
+        raise KernelsUnavailable(
+            f"deterministic: true needs ddtree's bitwise CPU kernels for the target's linears and attention; here "
+            f"they would run through {backends.linear} and {backends.attention}: {backends.reason}. Or set "
+            f"deterministic: false to serve through that fallback (docs/cpu-kernels.md)")
+    else:  # a warning where the kernels would serve (fp32 on the CPU) but cannot
+        fp32_cpu = config.dtype == "float32" and device(config).type == "cpu"
+        logger.log(logging.WARNING if fp32_cpu else logging.INFO,
+                   "ddtree engine: linears %s, attention %s, not ddtree's bitwise CPU kernels (%s): rows move with "
+                   "the row count, so near-ties can break unlike plain decoding (docs/cpu-kernels.md)",
+                   backends.linear, backends.attention, backends.reason)
+    return backends
+
+
 def freeze_startup() -> None:
     """For a process that holds one engine for its life (a Serve replica, a benchmark): every
     object alive now -- the imports, the models' modules, the tokenizer: ~370k objects the cycle
@@ -115,10 +142,12 @@ class Engine:
     scheduler: Scheduler  # the step loop (tp > 1: a workers.distributed.RemoteScheduler, the same API)
     block_size: int  # the drafter's block: a chain drafts block_size - 1 tokens
     instance: object | None = None  # tp > 1: the workers.distributed.RayInstance holding the actors
+    backends: KernelBackends | None = None  # what runs the target's linears and attention (check_kernels)
 
     @classmethod
     def from_config(cls, config: ModelPairConfig) -> "Engine":
         dtype = getattr(torch, config.dtype)
+        backends = check_kernels(config)
         threads, why = engine_threads(config)
         torch.set_num_threads(threads)
         logger.info("ddtree engine: %d intra-op threads (%s)", threads, why)
@@ -137,7 +166,7 @@ class Engine:
             # comes from the memory the shards report once they are up
             limits = partial(batch_limits, config, model_config, dtype)
             instance = RayInstance(spec, config.budget, config.placement, limits)
-            engine = cls(config, target, instance.scheduler, instance.block_size, instance)
+            engine = cls(config, target, instance.scheduler, instance.block_size, instance, backends)
         else:
             if config.weights == "native" and device(config).type != "cpu":
                 raise ValueError("weights='native' runs on CPU: set device 'cpu', or weights 'float' for the GPU")
@@ -148,7 +177,7 @@ class Engine:
                 if drafter_path
                 else DFlashDrafter.untrained(target.model, block_size=config.block_size)
             ).to(device(config))
-            engine = cls(config, target, None, drafter.block_size)
+            engine = cls(config, target, None, drafter.block_size, backends=backends)
             limits = batch_limits(config, target.model.config, dtype, pool_memory(target.model.device))
             engine.scheduler = Scheduler.local(target.model, drafter, config.budget, limits, engine.decode,
                                                lookup=config.lookup, topk=config.topk)

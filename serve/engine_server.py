@@ -159,6 +159,7 @@ class EngineServer:
         self.created = int(time.time())
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddtree-engine")
         self.metrics = EngineMetrics(self.config.served_name)
+        self.metrics.set_kernels(self.engine.backends)
         self.driver = BatchDriver(self.engine.scheduler, self.worker, self._step_metrics)
         logger.info(
             "ddtree engine ready: %s, budget %s, %d intra-op threads, up to %d sequences at once, in %.1f s",
@@ -176,6 +177,8 @@ class EngineServer:
             "created": self.created,
             "context_length": self.engine.context_length,
             "budget": self.engine.budget,
+            # which backend runs the target's linears and attention (engine.check_kernels): /health says it
+            "kernels": self.engine.backends.as_dict(),
         }
 
     # --- request preparation ----------------------------------------------------------------

@@ -3,6 +3,9 @@ Ray's `ray_` prefix, e.g. `ray_ddtree_accepted_tokens_total`)."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 from ray.serve import metrics
 
 from ..workers.requests import PHASES as ROUND_PHASES
@@ -14,6 +17,9 @@ BUDGET_BOUNDARIES = [0.5, 1.5, 2.5, 4.5, 8.5, 16.5, 32.5, 64.5, 128.5, 256.5, 51
 # The round phases the step loop times (workers.requests.PHASES but transport, which only the
 # solo loop separates: the step loop's verify time includes any transport).
 PHASES = tuple(p for p in ROUND_PHASES if p != "transport")
+# Ray's metrics agent keeps a gauge's value for two report intervals (2 x 10 s by default) after
+# the process last set it: a value set once is gone from the endpoint within half a minute.
+KERNEL_INFO_REFRESH_S = 5.0
 
 
 class EngineMetrics:
@@ -79,6 +85,11 @@ class EngineMetrics:
             "ddtree_policy_tree_rate", description="Budget auto, per band of batch sizes: what its steps with "
             "trees realized of the rate predicted for them, over what its plain steps realized of theirs (at "
             "most 1; trees are weighed by it).", tag_keys=("model", "band")))
+        self.kernel_backend = tagged(metrics.Gauge(
+            "ddtree_kernel_backend_info", description="1 for the backends that run the target's linears and "
+            "attention on this replica: linear float_mm / blocks_mm and attention tree_attention are ddtree's "
+            "bitwise CPU kernels; onednn, torch and sdpa are the fallback (docs/cpu-kernels.md).",
+            tag_keys=("model", "linear", "attention", "bitwise")))
         self.running_gauge.set(0)
         self.queued_gauge.set(0)
         self.recalibrations.set(0)
@@ -92,6 +103,19 @@ class EngineMetrics:
         self.recalibrations.set(recalibrations)
         for band, rate in (tree_rates or {}).items():
             self.tree_rate.set(rate, tags={"band": band})
+
+    def set_kernels(self, backends) -> None:
+        """The engine's workers.model.KernelBackends, from start-up on: set again every
+        KERNEL_INFO_REFRESH_S on a thread of its own, since a gauge that is not set again leaves
+        Ray's endpoint (a replica that served no request would lose it)."""
+        tags = {"linear": backends.linear, "attention": backends.attention, "bitwise": str(backends.bitwise).lower()}
+
+        def refresh():
+            while True:
+                self.kernel_backend.set(1, tags=tags)
+                time.sleep(KERNEL_INFO_REFRESH_S)
+
+        threading.Thread(target=refresh, name="ddtree-kernel-info", daemon=True).start()
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

@@ -500,7 +500,9 @@ class OpenAIIngress:
 
     @app.get("/health")
     async def health(self):
-        """200 {"status": "ok"} when an engine replica answers. Otherwise 503 with Retry-After and
+        """200 {"status": "ok", "details": {"kernels": {"linear", "attention", "bitwise", "reason"}}}
+        when an engine replica answers: which backends run the target's linears and attention on
+        the replica that answered (engine.check_kernels; docs/cpu-kernels.md). Otherwise 503 with Retry-After and
         OpenAI's error shape beside a "status": "draining" (after SIGTERM), "loading" (no engine
         replica has answered this ingress yet: said at once while the first one builds the model;
         later, while one restarts) or "unavailable". Every answer comes within
@@ -511,10 +513,10 @@ class OpenAIIngress:
         if not await self.readiness.answered(HEALTH_FIRST_ANSWER_S):
             return self._unhealthy("loading")
         try:
-            await asyncio.wait_for(self._ping(), HEALTH_TIMEOUT_S)
+            info = await asyncio.wait_for(self._ping(), HEALTH_TIMEOUT_S)
         except Exception:
             return self._unhealthy(await self._engine_state())
-        return {"status": "ok"}
+        return {"status": "ok", "details": {"kernels": info["kernels"]}}
 
     def _unhealthy(self, state: str) -> JSONResponse:
         code, message = UNHEALTHY[state]

@@ -19,7 +19,15 @@ if os.environ.get("DDTREE_KERNEL_DEVICE", "cpu") == "cpu":
 import pytest
 import torch
 
+from ddtree.workers.cpu_kernels import KernelsNotBuilt, build_kernels
 from ddtree.workers.loading import load_target_weights
+
+# ddtree's CPU kernels, built as `make install` builds them (once; at once when they are): the
+# tests run the bitwise kernels, and nothing compiles them on a first forward.
+try:
+    build_kernels()
+except KernelsNotBuilt as err:
+    print(f"conftest: the tests run without ddtree's CPU kernels (the oneDNN fallback): {err}")
 
 from .helpers import CONTEXT, MODEL, copy_tokenizer, free_port, make_hf_model
 

@@ -1,4 +1,4 @@
-"""ddtree's fp32 CPU GEMM (workers/cpu_gemm.cpp, float_mm), which serves every fp32 linear on the
+"""ddtree's fp32 CPU GEMM (workers/cpu_kernels/gemm.cpp, float_mm), which serves every fp32 linear on the
 CPU (workers.model.linear): against float64 on shapes that break its tiling, batch-invariant
 rows, and the routing of `linear` (bias, any leading shape, F.linear when gradients are on)."""
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ddtree.workers import cpu_gemm, model
+from ddtree.workers import cpu_kernels, model
 
-pytestmark = pytest.mark.skipif(not cpu_gemm.float_kernel(), reason="float_mm serves AVX2 and AVX-512 CPUs only")
+pytestmark = pytest.mark.skipif(not cpu_kernels.float_kernel(), reason="float_mm serves AVX2 and AVX-512 CPUs only")
 
 # The kernel's tiling: 12 output columns per task step; with AVX2 rows in groups of 4 and 3 (2
 # when M is 2 or 5) in register tiles of 4 x 3, 3 x 4 and 2 x 6 columns, steps of 8 inputs;
@@ -67,16 +67,16 @@ def test_a_narrower_build_is_chosen_by_name_and_a_wider_or_unknown_one_refused(m
     builds it can."""
     capability = torch.backends.cpu.get_cpu_capability()
     monkeypatch.delenv("DDTREE_CPU_BUILD", raising=False)
-    assert cpu_gemm.vector_build() == capability
+    assert cpu_kernels.vector_build() == capability
     monkeypatch.setenv("DDTREE_CPU_BUILD", "AVX2")
-    assert cpu_gemm.vector_build() == "AVX2"
+    assert cpu_kernels.vector_build() == "AVX2"
     monkeypatch.setenv("DDTREE_CPU_BUILD", "SSE42")
     with pytest.raises(RuntimeError, match="choose one of"):
-        cpu_gemm.vector_build()
+        cpu_kernels.vector_build()
     if capability == "AVX2":
         monkeypatch.setenv("DDTREE_CPU_BUILD", "AVX512")
         with pytest.raises(RuntimeError, match="this CPU reports AVX2"):
-            cpu_gemm.vector_build()
+            cpu_kernels.vector_build()
 
 
 def test_float_mm_refuses_what_it_does_not_compute():

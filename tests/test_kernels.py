@@ -1,4 +1,4 @@
-"""Every Triton kernel against its torch reference (kernels/batched.py), on shapes chosen to
+"""Every Triton kernel against its torch reference (tree_ops/batched.py), on shapes chosen to
 break tiling: tree sizes 1, 2, 17, 33 and 65 in one batch, vocabularies 49152 and 151936,
 context lengths that are not a multiple of the key block, padded trees. Exact for integer
 outputs, allclose for attention and log-probs.

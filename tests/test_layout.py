@@ -11,8 +11,8 @@ the way are not edges. Two graphs:
   `try`/`if` -- but not those inside a function, nor under `if TYPE_CHECKING:`. It must have no
   cycle: a cycle here makes a module's names depend on which module of the cycle was imported
   first.
-- with lazy imports: the same plus imports inside functions (`kernels/batched.py` imports
-  `kernels/triton_kernels.py` only when a kernel runs, since Triton is optional). It must have no
+- with lazy imports: the same plus imports inside functions (`tree_ops/batched.py` imports
+  `tree_ops/triton_kernels.py` only when a kernel runs, since Triton is optional). It must have no
   cycle either: a lazy import that points back up the graph hides a layering mistake that the
   next refactor turns into an import-time cycle.
 
@@ -24,6 +24,7 @@ the whole check takes seconds, not a torch import per module).
 from __future__ import annotations
 
 import ast
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -251,7 +252,7 @@ def test_every_module_imports_on_its_own():
     """A module that imports only when another module was imported first (a cycle that happens
     to resolve in one order, a name taken from a module that has not run yet) fails here."""
     names = sorted(modules())
-    if importlib.util.find_spec("triton") is None:  # Linux-only; kernels/batched.py runs without it
+    if importlib.util.find_spec("triton") is None:  # Linux-only; tree_ops/batched.py runs without it
         names.remove(f"{PACKAGE}.kernels.triton_kernels")
     dirs = {name: str(folder) for name, folder in package_dirs().items()}
     proc = subprocess.run([sys.executable, "-c", _IMPORT_EACH, json.dumps([PACKAGE, names, _third_party_imports(), dirs])],
@@ -272,36 +273,19 @@ def test_every_package_folder_is_listed_in_pyproject():
     assert not unlisted, f"add these packages to [tool.setuptools] packages in pyproject.toml: {unlisted}"
 
 
-# Imports `kernels` the way a process started in the repository root does (`python -m pytest`,
-# `python -c`: the root is sys.path[0]) and reports which file Python gave for each name.
-_SHADOW_PROBE = r"""
-import json
-import kernels
-import ddtree.kernels.tree
-print(json.dumps({"kernels": kernels.__file__, "ddtree.kernels.tree": ddtree.kernels.tree.__file__,
-                  "installed_marker": getattr(kernels, "INSTALLED_MARKER", None)}))
-"""
-
-
-def test_the_kernels_folder_does_not_shadow_the_pypi_package_of_that_name(tmp_path):
+def test_no_folder_of_the_root_is_named_like_an_installed_package():
     """Regression: transformers 5.25 made the PyPI package `kernels` a dependency and imports it
-    on the first model import. A process started in the repository root has the root first on
-    sys.path, so `import kernels` found this repository's `kernels/` folder (which is
-    `ddtree.kernels`), and `from transformers import LlamaConfig` failed with "cannot import name
-    'CUDAProperties' from 'kernels'": every test, in CI on a fresh clone. The folder now hands
-    the name to the installed package. A stand-in package later on sys.path plays the installed
-    one, so this holds whichever transformers is installed."""
-    installed = tmp_path / "site" / "kernels"
-    installed.mkdir(parents=True)
-    (installed / "__init__.py").write_text('INSTALLED_MARKER = "the installed kernels"\n')
-    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
-    proc = subprocess.run([sys.executable, "-c", _SHADOW_PROBE], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    found = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert found["installed_marker"] == "the installed kernels", found
-    assert Path(found["kernels"]) == installed / "__init__.py"
-    assert Path(found["ddtree.kernels.tree"]) == ROOT / "kernels" / "tree.py"
+    on the first model import. A process started in the repository root (`python -m pytest`, a
+    Ray worker, which inherits the driver's cwd) has the root first on sys.path, so `import
+    kernels` found this repository's `kernels/` folder (which is `ddtree.kernels`), and `from
+    transformers import LlamaConfig` failed with "cannot import name 'CUDAProperties' from
+    'kernels'": every test, in CI on a fresh clone. That folder is `tree_ops/` now (its import
+    name stays `ddtree.kernels`, through pyproject's package-dir), and no package folder or
+    module at the root may take the name of an installed distribution's top-level module."""
+    installed = set(importlib.metadata.packages_distributions()) - {PACKAGE}
+    importable = {p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file()} | {p.stem for p in ROOT.glob("*.py")}
+    assert not sorted(importable & installed), "rename these folders (keep their import name in package-dir)"
+    assert package_dirs()[f"{PACKAGE}.kernels"] == ROOT / "tree_ops"
 
 
 def test_transformers_models_import_from_the_repository_root():

@@ -94,10 +94,11 @@ def test_fp32_tree_verify_is_bitwise_plain_decoding(tmp_path, family):
     """In float32 on the CPU, with ddtree_cpu's row-invariant linears (float_mm) and attention
     (tree_attention), a tree node's logits are bitwise the logits plain decoding computes one
     token at a time along the node's path: the verify pass can change no token, not even at a
-    near-tie. (torch's SDPA and oneDNN give the same values only up to float summation order.)"""
-    from ddtree.workers import cpu_gemm
+    near-tie. (torch's SDPA and oneDNN, the fallback, give the same values only up to float
+    summation order: docs/cpu-kernels.md, "Numerics".)"""
+    from ddtree.workers import cpu_kernels
 
-    if not cpu_gemm.float_kernel():
+    if not cpu_kernels.float_kernel():
         pytest.skip("ddtree_cpu's fp32 kernels are built for AVX2 CPUs; elsewhere equality holds at the tie rule")
     make_hf_model(family).to(torch.float32).save_pretrained(tmp_path)
     model = load_target_weights(tmp_path, torch.float32)
@@ -123,7 +124,7 @@ def test_a_packed_verify_computes_the_real_rows_alone_and_as_padded(tmp_path, st
     kernels -- and the padding rows' features are zero. In the paged pool (the scheduler's) the
     attention takes the real rows as they are, never laid out padded (`PagedView.attend_rows`)."""
     from ddtree.config import SamplingParams
-    from ddtree.workers import cpu_gemm
+    from ddtree.workers import cpu_kernels
     from ddtree.workers.kv_pool import KVStorage, PageAllocator
     from ddtree.workers.model import SingleProcess
 
@@ -155,7 +156,7 @@ def test_a_packed_verify_computes_the_real_rows_alone_and_as_padded(tmp_path, st
     sizes = [t.size for t in trees]
     packed = model(tokens, positions, mask, cache(), capture_layers=(0, 1), rows=torch.tensor(sizes))
     assert packed.logits.shape == (sum(sizes), padded.logits.shape[-1])
-    same = torch.equal if cpu_gemm.float_kernel() else (lambda a, b: torch.allclose(a, b, atol=1e-5))
+    same = torch.equal if cpu_kernels.float_kernel() else (lambda a, b: torch.allclose(a, b, atol=1e-5))
     real = torch.cat([padded.logits[b, :n] for b, n in enumerate(sizes)])
     assert same(packed.logits, real)
     for b, n in enumerate(sizes):

@@ -163,7 +163,7 @@ def test_the_image_installs_at_the_constraints_and_builds_the_cpu_kernels():
     for part in installs:
         if "torch==" not in part:  # torch: its own pin and index, as in the Makefile
             assert "-c /home/ray/ddtree/constraints.txt" in part, part
-    assert any("python -m ddtree.workers.cpu_gemm" in line for line in lines)
+    assert any("ddtree build-kernels" in line for line in lines)
 
 
 def test_an_engine_replica_reserves_and_decodes_on_the_machines_cores_by_default():

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from ddtree.workers.cpu_gemm import load_kernel
+from ddtree.workers.cpu_kernels import load_kernels
 from ddtree.workers.loading import load_native_target, load_target_weights, rope_row_order
 from ddtree.workers.quantized import (BLOCK_VALUES, K_QUANTS, QUANT_TYPES, BlockWeights, QuantizedLinear,
                                      quantize_for_test, random_blocks)
@@ -41,10 +41,10 @@ K_TYPES = {"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
-    load_kernel()
+    load_kernels()
 
 
-# Shapes that break the kernel's tiling (workers/cpu_gemm.cpp, blocks_mm): 12 output columns per tile,
+# Shapes that break the kernel's tiling (workers/cpu_kernels/gemm.cpp, blocks_mm): 12 output columns per tile,
 # inputs decoded in chunks of at most 256 of even size, activation rows in register tiles of
 # 4 (then 3, 2, 1) and panels of 64; up to 5 rows (8 in an AVX-512 build) take the path that
 # decodes in registers, one row its own tile.

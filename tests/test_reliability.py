@@ -619,7 +619,7 @@ def test_health_probes_that_give_up_during_start_up_do_not_break_it(server, tiny
             except httpx.TimeoutException:
                 gave_up += 1
         r = httpx.get(base + "/health", timeout=30)
-        assert r.status_code == 200 and r.json() == {"status": "ok"}, r.text
+        assert r.status_code == 200 and r.json()["status"] == "ok", r.text
         good_request(base)
     print(f"\n{gave_up} probes gave up; /health said loading, then ok")
     assert gave_up >= 2  # the probes did give up: a millisecond is too short for any answer

@@ -12,12 +12,14 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 import yaml
 
 from ddtree.config import ModelPairConfig, SamplingParams
 from ddtree.engine import Engine
 from ddtree.serve.app import build_app
 from ddtree.serve.config import ServeConfig
+from ddtree.workers.model import kernel_backends
 
 from .helpers import CHAT_SAMPLE, CONTEXT, MODEL
 
@@ -37,7 +39,14 @@ CHAT = CHAT_SAMPLE
 
 
 def test_health_and_models(server, client):
-    assert httpx.get(server["base"] + "/health").status_code == 200
+    """/health's details say which backends run the replica's linears and attention: the tiny
+    fp32 model on the CPU runs ddtree's bitwise kernels where they are built (conftest builds
+    them, as `make install` does), the float64 app the torch fallback, and says why."""
+    health = httpx.get(server["base"] + "/health")
+    assert health.status_code == 200
+    assert health.json()["details"]["kernels"] == kernel_backends(torch.float32, "cpu").as_dict()
+    sharded = httpx.get(server["base"] + "/sharded/health").json()["details"]["kernels"]
+    assert sharded["bitwise"] is False and sharded["linear"] == "torch" and "float64" in sharded["reason"]
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
 
@@ -222,7 +231,7 @@ def test_metrics_reach_prometheus_endpoint(server, client):
         "ray_ddtree_inter_token_latency_seconds_bucket", "ray_ddtree_round_phase_seconds_bucket",
         "ray_ddtree_requests_running", "ray_ddtree_requests_queued", "ray_ddtree_output_tokens_total",
         "ray_ddtree_accepted_tokens_by_source_total", "ray_ddtree_policy_probes_total",
-        "ray_ddtree_policy_recalibrations", "ray_ddtree_policy_tree_rate",
+        "ray_ddtree_policy_recalibrations", "ray_ddtree_policy_tree_rate", "ray_ddtree_kernel_backend_info",
     ]
     deadline, text = time.time() + 90, ""
     while time.time() < deadline:
@@ -234,6 +243,13 @@ def test_metrics_reach_prometheus_endpoint(server, client):
     exported = sorted({line.split("{")[0] for line in text.splitlines() if "ddtree" in line and not line.startswith("#")})
     assert not missing, f"not exported: {missing}; exported: {exported}"
     assert 'depth="1"' in text and 'phase="verify"' in text
+    # which backends run the engine, minutes after start-up: set once at start-up, the gauge had
+    # left Ray's endpoint (its agent keeps a value two report intervals) before the first scrape
+    backends = kernel_backends(torch.float32, "cpu")
+    info = [line for line in text.splitlines() if line.startswith("ray_ddtree_kernel_backend_info{")
+            and f'model="{MODEL}"' in line]
+    assert info and all(f'linear="{backends.linear}"' in line and f'attention="{backends.attention}"' in line
+                        and float(line.rsplit(" ", 1)[1]) == 1 for line in info), info
 
 
 def test_serve_config_file_builds_the_app():

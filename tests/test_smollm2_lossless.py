@@ -6,11 +6,13 @@ so rounds accept several tokens through deep tree paths (the untrained DFlash dr
 never gets past the root on a real model; it runs on SmolLM2 in test_cli.py and against tiny
 targets in test_lossless.py and test_sampling.py).
 
-In fp32 a tree-verify pass and a one-token step sum in different orders, so logits differ in
-the last bits. Where that can flip a token it is a numerical near-tie, not a bug: greedy, the
-target's top-2 logit gap is below 1e-3; sampled, the seeded draw lies within 1e-6 of the edge
-between two tokens in the cumulative distribution. The tests print every divergence with its
-gap and fail on any other.
+With ddtree's CPU kernels built, a tree-verify row is bitwise plain decoding's one-token step
+and the outputs are equal token for token; through their fallback (oneDNN's GEMMs, SDPA) the two
+sum in different orders and logits differ in the last bits (docs/cpu-kernels.md, "Numerics").
+Where that can flip a token it is a numerical near-tie, not a bug: greedy, the target's top-2
+logit gap is below 1e-3; sampled, the seeded draw lies within 1e-6 of the edge between two
+tokens in the cumulative distribution. The tests print every divergence with its gap and fail
+on any other.
 """
 
 from __future__ import annotations

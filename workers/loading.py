@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from ..config import cache_root
-from .cpu_gemm import load_kernel
+from .cpu_kernels import load_kernels
 from .model import FusedLinears, ModelConfig, TargetModel
 from .quantized import BLOCK_VALUES, QUANT_TYPES, FusedQuantized, QuantizedEmbedding, QuantizedLinear
 
@@ -204,7 +204,7 @@ def load_native_target(gguf: Path, directory: Path) -> TargetModel:
     those of load_target_weights(directory) up to float summation order."""
     from gguf import GGUFReader, MODEL_ARCH_NAMES, get_tensor_name_map
 
-    load_kernel()
+    load_kernels()  # KernelsNotBuilt, saying how to build them, where they are not built
     config = ModelConfig.from_hf(json.loads((directory / "config.json").read_text()))
     reader = GGUFReader(gguf)
     arch_name = bytes(reader.fields["general.architecture"].parts[-1]).decode()

@@ -24,7 +24,7 @@ from ..kernels.batched import sampled_choices, tree_attention
 from ..kernels.sampling import RowSampling, choose_tokens, is_greedy, processed_probs_rows
 from ..kernels.tree_batch import unpack_bits
 from ..kernels.triton_support import ATTENTION_HEAD_DIMS, use_triton
-from . import cpu_gemm
+from . import cpu_kernels
 
 FAMILIES = ("llama", "qwen3")
 
@@ -270,7 +270,7 @@ def row_ops(*tensors: torch.Tensor) -> bool:
     MLP's norm, the MLP's gating, the rotation) run as ddtree_cpu's one-op kernels: for fp32 on the CPU where
     `linear` takes float_mm, without gradients (the kernels have no backward). At the few rows of
     decoding each torch op's first call after a GEMM costs tens of microseconds whatever its size
-    (workers/cpu_gemm.cpp, "row-wise ops"): SmolLM2's plain decoding at one stream ran 1.06-1.2x
+    (workers/cpu_kernels/rowops.cpp): SmolLM2's plain decoding at one stream ran 1.06-1.2x
     as fast with the norm alone as one op."""
     for t in tensors:
         if t.dtype != torch.float32 or not t.is_cpu:
@@ -279,7 +279,7 @@ def row_ops(*tensors: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; for float32 on the CPU, ddtree's own GEMM (workers.cpu_gemm.float_mm), else
+    """F.linear; for float32 on the CPU, ddtree's own GEMM (workers/cpu_kernels/gemm.cpp, float_mm), else
     oneDNN where the kernel cannot be built. Measured on this 2-core AVX2 machine over SmolLM2's
     matrices: the kernel takes 0.6x oneDNN's time at 1 row and ~0.5x at 9-17 (oneDNN: 0.73x
     MKL's F.linear, whose small-row GEMMs are slow here; benchmarks/verify_cost.py --linear), and
@@ -304,7 +304,7 @@ LINEAR_BACKEND = "ddtree"  # "ddtree": float_mm (oneDNN if it cannot be built); 
 def fp32_route() -> str:
     """The GEMM that `linear` takes for fp32 on the CPU under LINEAR_BACKEND, as this process
     can run it: "float_mm", "onednn" or "torch"."""
-    if LINEAR_BACKEND == "ddtree" and cpu_gemm.float_kernel():
+    if LINEAR_BACKEND == "ddtree" and cpu_kernels.float_kernel():
         return "float_mm"
     return "onednn" if LINEAR_BACKEND in ("ddtree", "onednn") and torch.backends.mkldnn.is_available() else "torch"
 
@@ -313,7 +313,7 @@ def linear_route() -> str:
     """fp32_route named down to the kernel's build (and the attention's route), so that timings
     measured through one route are never reused for another (ddtree.calibrate)."""
     route = fp32_route()
-    named = f"{route}:{cpu_gemm.kernel_key()}" if route == "float_mm" else route
+    named = f"{route}:{cpu_kernels.kernel_key()}" if route == "float_mm" else route
     return named + ("" if ATTENTION_BACKEND == "ddtree" else f"+{ATTENTION_BACKEND}-attention")
 
 
@@ -323,13 +323,53 @@ ATTENTION_MAX_ROWS = 65  # query rows per sequence up to which that holds: decod
 
 def cpu_attention(keys: torch.Tensor, q_len: int) -> bool:
     """Whether a block of `q_len` rows per sequence over fp32 CPU storage `keys` attends through
-    ddtree_cpu.tree_attention (workers/cpu_gemm.cpp): keys and values read in place from the
+    ddtree_cpu.tree_attention (workers/cpu_kernels/attention.cpp): keys and values read in place from the
     cache by offset, no gathered copy or dense mask, and every row's arithmetic its own, in the
     order plain decoding sees the same keys -- with float_mm's linears a verify row is bitwise
     plain decoding's. Prefill chunks longer than ATTENTION_MAX_ROWS, and head dimensions that are
     not a multiple of 8 (the kernel's lanes), take SDPA."""
     return (ATTENTION_BACKEND == "ddtree" and keys.dtype == torch.float32 and keys.device.type == "cpu"
-            and q_len <= ATTENTION_MAX_ROWS and keys.shape[-1] % 8 == 0 and cpu_gemm.float_kernel())
+            and q_len <= ATTENTION_MAX_ROWS and keys.shape[-1] % 8 == 0 and cpu_kernels.float_kernel())
+
+
+BITWISE_LINEARS = ("float_mm", "blocks_mm")  # ddtree_cpu's GEMMs: a row's output whatever rows come with it
+
+
+@dataclass(frozen=True)
+class KernelBackends:
+    """Which ops run a target's linears and its attention over the cache in this process (the
+    engine says it at start-up, in /health and in the ddtree_kernel_backend_info metric). With
+    ddtree_cpu's GEMMs and tree attention a tree node's logits are bitwise plain decoding's; any
+    other backend moves rows with the row count, so near-ties can break differently
+    (docs/cpu-kernels.md, "Numerics")."""
+
+    linear: str  # "float_mm" / "blocks_mm" (ddtree_cpu), "onednn" (fp32 fallback) or "torch" (F.linear)
+    attention: str  # "tree_attention" (ddtree_cpu) or "sdpa" (torch's; Triton's kernel on CUDA)
+    reason: str | None  # why ddtree_cpu's kernels do not run both, None when they do
+
+    @property
+    def bitwise(self) -> bool:
+        return self.linear in BITWISE_LINEARS and self.attention == "tree_attention"
+
+    def as_dict(self) -> dict:
+        return {"linear": self.linear, "attention": self.attention, "bitwise": self.bitwise, "reason": self.reason}
+
+
+def kernel_backends(dtype: torch.dtype, device: torch.device | str, weights: str = "float") -> KernelBackends:
+    """The backends a target of `dtype` on `device` runs here (weights "native": GGUF blocks
+    through blocks_mm). ddtree_cpu serves fp32 on the CPU when its library is built and loads
+    (workers.cpu_kernels), under LINEAR_BACKEND and ATTENTION_BACKEND "ddtree"."""
+    if torch.device(device).type != "cpu":
+        return KernelBackends("torch", "sdpa", f"the target runs on {torch.device(device).type}: ddtree_cpu serves the CPU")
+    if dtype != torch.float32:
+        return KernelBackends("torch", "sdpa", f"the target is {str(dtype).removeprefix('torch.')}: ddtree_cpu serves float32")
+    route = fp32_route()
+    linear = "blocks_mm" if weights == "native" and route == "float_mm" else route
+    attention = "tree_attention" if ATTENTION_BACKEND == "ddtree" and cpu_kernels.float_kernel() else "sdpa"
+    reason = cpu_kernels.unavailable_reason()
+    if reason is None and (linear not in BITWISE_LINEARS or attention != "tree_attention"):
+        reason = f"LINEAR_BACKEND {LINEAR_BACKEND!r}, ATTENTION_BACKEND {ATTENTION_BACKEND!r}"
+    return KernelBackends(linear, attention, reason)
 
 
 def dense_block_mask(block_mask, batch: int) -> torch.Tensor:

@@ -175,7 +175,7 @@ class QuantizedLinear(nn.Module):
     """A bias-free nn.Linear whose weight stays GGUF blocks: forward(x [..., K]) -> [..., N].
 
     Every input (decoding, tree verification, prefill) goes through the C++ kernel
-    (workers.cpu_gemm's blocks_mm), which decodes each weight once per call of up to 5 rows (8
+    (ddtree_cpu.blocks_mm, workers/cpu_kernels/gemm.cpp), which decodes each weight once per call of up to 5 rows (8
     with AVX-512) in registers, else once per 64 rows of x into a small fp32 tile, and multiplies
     every row against it:
     F.linear(x, self.dequantize()) up to float summation order, and each row's result is the same

@@ -1,8 +1,8 @@
 """The tree ops over a batch of trees, each a torch reference beside its Triton kernel
-(kernels/triton_kernels.py), behind one dispatch: Triton for CUDA tensors, the reference
+(tree_ops/triton_kernels.py), behind one dispatch: Triton for CUDA tensors, the reference
 otherwise (kernels.triton_support.use_triton).
 
-A batch holds B trees of different sizes, padded to Q rows each (kernels/tree_batch.py holds
+A batch holds B trees of different sizes, padded to Q rows each (tree_ops/tree_batch.py holds
 the batch dataclasses and the mask's bit layout). The mask travels as compact metadata -- one
 bit per (row, column) of the tree block, W = ceil(Q / 32) int32 words per row -- never as a
 dense [Q, past + Q] float mask; it is built on the device from the parent array.

@@ -1,5 +1,5 @@
 """Triton kernels of the tree ops; their torch references and the dispatch are in
-kernels/batched.py, the batch dataclasses both use in kernels/tree_batch.py. Each kernel is
+tree_ops/batched.py, the batch dataclasses both use in tree_ops/tree_batch.py. Each kernel is
 followed by its wrapper, which checks shapes, allocates the outputs and launches an explicit
 grid. Imported only when a kernel runs (Triton is optional on CPU machines); tests run these on
 CPU with TRITON_INTERPRET=1.

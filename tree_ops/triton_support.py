@@ -1,6 +1,6 @@
 """One dispatch for the tree ops: Triton kernels for CUDA tensors, torch references otherwise.
 
-Triton is imported lazily (the kernels live in `kernels/triton_kernels.py`), so a machine
+Triton is imported lazily (the kernels live in `tree_ops/triton_kernels.py`), so a machine
 without it runs the references. Tests call the kernels' wrappers directly: on CPU under the
 interpreter (`TRITON_INTERPRET=1`, which tests/conftest.py sets before anything imports Triton),
 compiled on CUDA in `make gpu-check`.

@@ -1,8 +1,8 @@
 """The data the batched tree ops pass around: a batch of trees (TreeBatch), its mask and
 position metadata (TreeMeta), the walks' result (WalkBatch), and the bit layout of the mask.
 
-Both the torch references with their dispatch (kernels/batched.py) and the Triton kernels
-(kernels/triton_kernels.py) import these; neither imports the other for them.
+Both the torch references with their dispatch (tree_ops/batched.py) and the Triton kernels
+(tree_ops/triton_kernels.py) import these; neither imports the other for them.
 
 The mask is compact: one bit per (row, column) of the tree block, W = ceil(Q / 32) int32 words
 per row, bit j % 32 of word j // 32 set when row i may see column j.

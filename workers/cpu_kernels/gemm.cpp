@@ -24,35 +24,16 @@
 //
 // float_mm: see its section below.
 //
-// Built and loaded by workers/cpu_gemm.py (load_kernel); the ops are torch.ops.ddtree_cpu.*.
+// fma_rate (the FMA floor the benchmarks compare against) lives here too: it runs in float_mm's
+// vectors.
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/Half.h>
-#include <torch/library.h>
+#include "common.h"
+#include "ops.h"
 
-#include <algorithm>
-#include <chrono>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <string>
-#include <tuple>
-#include <vector>
-
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
-
+namespace ddtree_cpu {
 namespace {
 
 constexpr int64_t GROUP = 32;    // weights per GGUF block
-constexpr int64_t LANES = 8;     // partial sums per output (AVX2, and the scalar code)
-#ifdef __AVX512F__
-constexpr int64_t VLANES = 16;   // partial sums per output: the vectors' lanes
-#else
-constexpr int64_t VLANES = LANES;
-#endif
 constexpr int64_t TILE_N = 12;   // output columns decoded together (R x C tiles below divide it)
 constexpr int64_t TILE_K = 256;  // inputs decoded together at most: a 12 KiB buffer
 constexpr int64_t PANEL_M = 64;  // activation rows multiplied per decoded tile
@@ -259,19 +240,7 @@ inline void decode(Block, const uint8_t* b, int j, __m256 w[4]) {
 inline void decode(Q5_0, const uint8_t* b, __m256 w[4]) { decode(Q5_0{}, b, 0, w); }
 inline void decode(Q5_1, const uint8_t* b, __m256 w[4]) { decode(Q5_1{}, b, 0, w); }
 
-inline float sum_lanes(__m256 v) {  // ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7))
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
-}
-
 #ifdef __AVX512F__
-// 16 lanes: lanes j and j + 8 pairwise, then the 8-lane tree
-inline float sum_lanes(__m512 v) {
-  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-  return sum_lanes(_mm256_add_ps(_mm512_castps512_ps256(v), high));
-}
-
 // 16 bytes of 4-bit codes -> codes 0-15 (low nibbles), 16-31 (high nibbles) as floats
 inline void nibbles(const uint8_t* q, __m512 c[2]) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
@@ -316,32 +285,8 @@ inline void decode(Block, const uint8_t* b, int j, __m512 w[2]) {
 
 inline void decode(Q5_0, const uint8_t* b, __m512 w[2]) { decode(Q5_0{}, b, 0, w); }
 inline void decode(Q5_1, const uint8_t* b, __m512 w[2]) { decode(Q5_1{}, b, 0, w); }
-
-// The vectors the GEMMs' loops below are written in: VLANES floats.
-using Vec = __m512;
-inline Vec vzero() { return _mm512_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vload_aligned(const float* p) { return _mm512_load_ps(p); }
-inline void vstore_aligned(float* p, Vec v) { _mm512_store_ps(p, v); }
-inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec vsplat(float v) { return _mm512_set1_ps(v); }
-inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
-#else
-using Vec = __m256;
-inline Vec vzero() { return _mm256_setzero_ps(); }
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vload_aligned(const float* p) { return _mm256_load_ps(p); }
-inline void vstore_aligned(float* p, Vec v) { _mm256_store_ps(p, v); }
-inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline Vec vfmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec vsplat(float v) { return _mm256_set1_ps(v); }
-inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
 #endif
 constexpr int BLOCK_VECTORS = GROUP / VLANES;  // a decoded block's vectors
-
-// VLANES partial sums at a (aligned to the vector)
-inline float sum_lanes(const float* a) { return sum_lanes(vload_aligned(a)); }
 
 // Group g of a weight row (see the block types above) as BLOCK_VECTORS vectors.
 template <typename Block>
@@ -488,10 +433,6 @@ inline void decode_block(Block, const uint8_t* row, int64_t g, float* w) {
   else decode(Block{}, row + g / SUBS * Block::BYTES, static_cast<int>(g % SUBS), w);
 }
 
-inline float sum_lanes(const float* a) {  // the AVX2 tree, in scalar code
-  return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-}
-
 template <int R, int C>
 inline void multiply_tile(const float* x, int64_t K, const float* w, float* acc, int64_t steps) {
   for (int r = 0; r < R; ++r)
@@ -581,6 +522,8 @@ void run(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, 
   });
 }
 
+}  // namespace
+
 // x [M, K] float32, blocks [N, K / values per block, bytes per block] uint8 -> [M, N] float32
 at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& blocks, const std::string& kind) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "ddtree_cpu.blocks_mm runs on CPU tensors");
@@ -613,6 +556,8 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& blocks, const std::s
   return y;
 }
 
+namespace {
+
 // --- float_mm: W float32 [N, K], read where it lies ------------------------------------------
 //
 // Register tiles of R activation rows x C weight rows: each step of VLANES inputs loads C
@@ -633,7 +578,7 @@ at::Tensor blocks_mm(const at::Tensor& x, const at::Tensor& blocks, const std::s
 // AVX-512 (32 registers, where torch reports the capability and the kernel is built with
 // -mavx512f): 16 lanes -- lane j sums k = j mod 16, and the lanes add as j and j + 8 pairwise,
 // then sum_lanes' tree: a fixed order as with 8 lanes, so rows stay batch-invariant (another
-// order than the AVX2 build's; cpu_gemm.kernel_key names the build). Up to 9 rows pass over a
+// order than the AVX2 build's; workers.cpu_kernels.kernel_key names the build). Up to 9 rows pass over a
 // tile together, in tiles of up to 24 accumulators; more rows go in groups of at most 5 (tiles of
 // 4 x 6 and 5 x 4). The lanes of a tile's sums are added 16 vectors at a time (lane_sums: the
 // same tree, the pairs moved side by side by shuffles; 45 instructions for 16 sums instead of
@@ -843,6 +788,8 @@ void float_run(const float* x, const float* w, float* y, int64_t M, int64_t N, i
   });
 }
 
+}  // namespace
+
 // x [M, K] float32, w [N, K] float32 -> [M, N] float32
 at::Tensor float_mm(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "ddtree_cpu.float_mm runs on CPU tensors");
@@ -855,490 +802,6 @@ at::Tensor float_mm(const at::Tensor& x, const at::Tensor& w) {
   if (M > 0 && N > 0) float_run(xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), M, N, K);
   return y;
 }
-
-
-// --- tree attention ------------------------------------------------------------------------------
-//
-// tree_attention: the attention of a verify or decode step's few query rows per sequence over
-// keys and values read in place from the KV storage (the paged pool, or a dense cache), with the
-// same fixed-order arithmetic for every row: a row's result depends only on its own query and
-// the keys it sees, never on the other rows of its step. Row i of sequence b sees its context
-// (positions 0 ... lengths[b] - 1) and the block positions lengths[b] + j with mask[b, i, j], in
-// that order -- the order plain decoding sees the same keys in once a tree's accepted path is
-// committed (a node's ancestors precede it in the block, in depth order). So with float_mm's
-// batch-invariant linears a tree's verify row computes bitwise what plain decoding of the same
-// token computes.
-//
-// Per row: scores s_k = (q . key_k) * scale (8 lanes over the head dimension, then sum_lanes'
-// tree), m = max s_k, p_k = exp(s_k - m) (expf_lanes: a fixed polynomial, < 2 ulp), l = the sum
-// of p_k in key order, out = (sum over k in key order of p_k v_k) / l.
-
-#ifdef __AVX2__
-constexpr int64_t HEAD_LANES = 8;
-
-// exp(x) for one x <= 0 (softmax's shifted scores): 2^round(x / ln 2) times a degree-6
-// polynomial of the remainder. expf_lanes computes the same operations 8 at a time (a vector
-// fused multiply-add rounds exactly as std::fma), so every result is the same whatever its place.
-inline float expf_one(float x) {
-  const float v = std::max(x, -87.0f);
-  const float k = std::floor(std::fma(v, 1.44269504088896341f, 0.5f));
-  float r = std::fma(k, -0.693359375f, v);
-  r = std::fma(k, 2.12194440e-4f, r);
-  float p = 1.9875691500e-4f;
-  p = std::fma(p, r, 1.3981999507e-3f);
-  p = std::fma(p, r, 8.3334519073e-3f);
-  p = std::fma(p, r, 4.1665795894e-2f);
-  p = std::fma(p, r, 1.6666665459e-1f);
-  p = std::fma(p, r, 5.0000001201e-1f);
-  p = std::fma(p * r, r, r) + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, sizeof(bits));
-  bits += static_cast<int32_t>(k) << 23;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
-
-void expf_lanes(float* x, int64_t n) {
-  const __m256 lo = _mm256_set1_ps(-87.0f), log2e = _mm256_set1_ps(1.44269504088896341f), half = _mm256_set1_ps(0.5f);
-  const __m256 c1 = _mm256_set1_ps(-0.693359375f), c2 = _mm256_set1_ps(2.12194440e-4f), one = _mm256_set1_ps(1.0f);
-  int64_t i = 0;
-  for (; i + HEAD_LANES <= n; i += HEAD_LANES) {
-    const __m256 v = _mm256_max_ps(_mm256_loadu_ps(x + i), lo);
-    const __m256 k = _mm256_floor_ps(_mm256_fmadd_ps(v, log2e, half));
-    __m256 r = _mm256_fmadd_ps(k, c1, v);
-    r = _mm256_fmadd_ps(k, c2, r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), one);
-    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(k), 23);
-    _mm256_storeu_ps(x + i, _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e)));
-  }
-  for (; i < n; ++i) x[i] = expf_one(x[i]);
-}
-
-// q . key over D (a multiple of 8): lane j sums q[d] key[d] over d = j mod 8, then sum_lanes.
-inline float head_dot(const float* q, const float* key, int64_t D) {
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += HEAD_LANES) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(key + d), acc);
-  return sum_lanes(acc);
-}
-
-// sum_lanes of four vectors at once, each by the same tree: (a0 + a4, a1 + a5, a2 + a6, a3 + a7)
-// from the halves, reordered (h0, h2, h1, h3) so that one horizontal add pairs h0 + h2 and h1 +
-// h3 and the next adds those two (a sum's operands may swap: IEEE addition commutes exactly).
-inline __m128 sum_lanes4(const __m256 a[4]) {
-  const __m256 h01 = _mm256_add_ps(_mm256_permute2f128_ps(a[0], a[1], 0x20), _mm256_permute2f128_ps(a[0], a[1], 0x31));
-  const __m256 h23 = _mm256_add_ps(_mm256_permute2f128_ps(a[2], a[3], 0x20), _mm256_permute2f128_ps(a[2], a[3], 0x31));
-  __m256 y = _mm256_hadd_ps(_mm256_permute_ps(h01, 0xD8), _mm256_permute_ps(h23, 0xD8));
-  y = _mm256_hadd_ps(y, y);  // low half (s0, s2, s0, s2), high half (s1, s3, s1, s3)
-  return _mm_unpacklo_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
-}
-
-// scores[r][t] = (q[r] . key t) * scale for R query rows over the same n keys at element offsets
-// keys[t]: an R x 4 tile of (row, key) chains per step, each key's vector loaded once for the R
-// rows, the four keys' lanes summed together (sum_lanes4). Every (row, key) score is head_dot's
-// whatever its place.
-template <int R>
-void tile_scores(const float* const* q, const float* kp, const int64_t* keys, int64_t n, int64_t D, float scale,
-                 float* const* scores) {
-  const __m128 factor = _mm_set1_ps(scale);
-  int64_t t = 0;
-  for (; t + 4 <= n; t += 4) {
-    const float *k0 = kp + keys[t], *k1 = kp + keys[t + 1], *k2 = kp + keys[t + 2], *k3 = kp + keys[t + 3];
-    __m256 acc[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 4; ++c) acc[r][c] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += HEAD_LANES) {
-      const __m256 v0 = _mm256_loadu_ps(k0 + d), v1 = _mm256_loadu_ps(k1 + d);
-      const __m256 v2 = _mm256_loadu_ps(k2 + d), v3 = _mm256_loadu_ps(k3 + d);
-      for (int r = 0; r < R; ++r) {
-        const __m256 qv = _mm256_loadu_ps(q[r] + d);
-        acc[r][0] = _mm256_fmadd_ps(qv, v0, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(qv, v1, acc[r][1]);
-        acc[r][2] = _mm256_fmadd_ps(qv, v2, acc[r][2]);
-        acc[r][3] = _mm256_fmadd_ps(qv, v3, acc[r][3]);
-      }
-    }
-    for (int r = 0; r < R; ++r) _mm_storeu_ps(scores[r] + t, _mm_mul_ps(sum_lanes4(acc[r]), factor));
-  }
-  for (; t < n; ++t)
-    for (int r = 0; r < R; ++r) scores[r][t] = head_dot(q[r], kp + keys[t], D) * scale;
-}
-
-// The context's share of R rows' value sums (rows of one sequence and key-value head share its
-// keys): out[r][d0 ... d0 + VLANES STEPS) = sum over t < n, in key order, of p[r][t] value t, not
-// yet divided by l -- each value vector loaded once for the R rows, every output lane its own
-// chain of fused multiply-adds in key order, held in registers, which finish_values continues
-// over the row's own block keys. A lane's chain is the same whatever the vectors' width, so the
-// AVX-512 build's 16 lanes sum exactly what 8 lanes do.
-template <int R, int STEPS>
-void context_values(const float* vp, const int64_t* keys, const float* const* p, int64_t n, int64_t d0, float* const* out) {
-  Vec acc[R][STEPS];
-  for (int r = 0; r < R; ++r)
-    for (int s = 0; s < STEPS; ++s) acc[r][s] = vzero();
-  for (int64_t t = 0; t < n; ++t) {
-    const float* v = vp + keys[t] + d0;
-    Vec w[R];
-    for (int r = 0; r < R; ++r) w[r] = vsplat(p[r][t]);
-    for (int s = 0; s < STEPS; ++s) {
-      const Vec vs = vload(v + s * VLANES);
-      for (int r = 0; r < R; ++r) acc[r][s] = vfmadd(w[r], vs, acc[r][s]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int s = 0; s < STEPS; ++s) vstore(out[r] + d0 + s * VLANES, acc[r][s]);
-}
-
-// The same over 8 lanes: the last 8 of a head dimension that is an odd multiple of 8 (AVX-512).
-template <int R>
-void context_values8(const float* vp, const int64_t* keys, const float* const* p, int64_t n, int64_t d0, float* const* out) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < n; ++t) {
-    const __m256 vs = _mm256_loadu_ps(vp + keys[t] + d0);
-    for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r][t]), vs, acc[r]);
-  }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out[r] + d0, acc[r]);
-}
-
-// context_values over the whole head dimension, 4 vectors per row at a time.
-template <int R>
-void rows_context_values(const float* vp, const int64_t* keys, const float* const* p, int64_t n, int64_t D, float* const* out) {
-  int64_t d0 = 0;
-  for (; d0 + 4 * VLANES <= D; d0 += 4 * VLANES) context_values<R, 4>(vp, keys, p, n, d0, out);
-  for (; d0 + VLANES <= D; d0 += VLANES) context_values<R, 1>(vp, keys, p, n, d0, out);
-  for (; d0 < D; d0 += HEAD_LANES) context_values8<R>(vp, keys, p, n, d0, out);
-}
-
-// A row's value sums continued from out (its context's share) over its n block keys, in block
-// order, then divided by l; all of a row's vectors per key (independent chains). A row's result
-// is the same whatever rows share its tile.
-void finish_values(const float* vp, const int64_t* keys, const float* p, int64_t n, int64_t D, float l, float* out) {
-  int64_t d0 = 0;
-  for (; d0 + 4 * VLANES <= D; d0 += 4 * VLANES) {
-    Vec acc[4];
-    for (int s = 0; s < 4; ++s) acc[s] = vload(out + d0 + s * VLANES);
-    for (int64_t t = 0; t < n; ++t) {
-      const Vec w = vsplat(p[t]);
-      for (int s = 0; s < 4; ++s) acc[s] = vfmadd(w, vload(vp + keys[t] + d0 + s * VLANES), acc[s]);
-    }
-    const Vec sum = vsplat(l);
-    for (int s = 0; s < 4; ++s) vstore(out + d0 + s * VLANES, vdiv(acc[s], sum));
-  }
-  const __m256 sum = _mm256_set1_ps(l);
-  for (; d0 < D; d0 += HEAD_LANES) {
-    __m256 acc = _mm256_loadu_ps(out + d0);
-    for (int64_t t = 0; t < n; ++t) acc = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(vp + keys[t] + d0), acc);
-    _mm256_storeu_ps(out + d0, _mm256_div_ps(acc, sum));
-  }
-}
-
-// q [B, Hq, Q, D] float32; k, v: a layer's storage, any shape, float32 contiguous; offsets [B, S]
-// int64: the element offset in k / v of position p's key for key-value head 0 of sequence b
-// (key-value head g at + g * head_stride; query head h reads g = h / (Hq / kv_heads));
-// lengths [B] int64; mask [B, Q, Q] bool; rows [B] int64 or none: sequence b's block rows past
-// rows[b] are padding, not computed (their output is zero) -> [B, Hq, Q, D].
-// packed (rows given): q holds the real rows alone, [N, Hq, D] with N = sum of rows (sequence b's
-// rows after those of sequences 0 ... b - 1, workers.model.Packing's order) -> [N, Hq, D]: the
-// forward need not lay its rows out padded and back at every layer (at 4 streams, 2-6 ms of a
-// 63 ms verify of trees of unequal sizes). Each row's arithmetic is the padded layout's.
-at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& offsets,
-                          int64_t kv_heads, int64_t head_stride, const at::Tensor& lengths, const at::Tensor& mask,
-                          double scale, const std::optional<at::Tensor>& rows, bool packed) {
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "ddtree_cpu.tree_attention runs on CPU tensors");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "tree_attention is float32");
-  TORCH_CHECK(!packed || rows.has_value(), "packed queries need rows");
-  const int64_t dims = packed ? 3 : 4;
-  TORCH_CHECK(q.dim() == dims && q.size(dims - 1) % HEAD_LANES == 0 && q.size(dims - 1) <= 512,
-              packed ? "packed q must be [N, Hq, D]" : "q must be [B, Hq, Q, D]", " with D a multiple of 8, at most 512");
-  TORCH_CHECK(kv_heads > 0 && q.size(1) % kv_heads == 0, "query heads (", q.size(1), ") must be a multiple of kv_heads");
-  TORCH_CHECK(k.is_contiguous() && v.is_contiguous(), "k and v must be contiguous storage");
-  const int64_t B = packed ? offsets.size(0) : q.size(0), Hq = q.size(1), D = q.size(dims - 1);
-  const int64_t Q = packed ? mask.size(1) : q.size(2);
-  TORCH_CHECK(offsets.dim() == 2 && offsets.size(0) == B && offsets.scalar_type() == at::kLong, "offsets must be [B, S] int64");
-  TORCH_CHECK(lengths.numel() == B && lengths.scalar_type() == at::kLong, "lengths must be [B] int64");
-  TORCH_CHECK(mask.dim() == 3 && mask.size(0) == B && mask.size(1) == Q && mask.size(2) == Q && mask.scalar_type() == at::kBool,
-              "mask must be [B, Q, Q] bool");
-  const int64_t S = offsets.size(1);
-  // packed queries are read in place where each row's heads lie contiguous (q split from the
-  // rotated q and k of one op), not copied once more a layer
-  at::Tensor qc = packed && q.stride(2) == 1 && q.stride(1) == D ? q : q.contiguous();
-  at::Tensor oc = offsets.contiguous(), lc = lengths.contiguous(), mc = mask.contiguous();
-  const int64_t q_row = packed ? qc.stride(0) : Hq * D;
-  const int64_t* len = lc.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b)
-    TORCH_CHECK(len[b] >= 0 && len[b] + Q <= S, "sequence ", b, ": ", len[b], " + ", Q, " positions exceed the ", S, " offsets");
-  std::vector<int64_t> real(B, Q);  // block rows computed per sequence
-  if (rows.has_value()) {
-    TORCH_CHECK(rows->numel() == B && rows->scalar_type() == at::kLong, "rows must be [B] int64");
-    const at::Tensor rc = rows->contiguous();
-    for (int64_t b = 0; b < B; ++b) {
-      real[b] = rc.data_ptr<int64_t>()[b];
-      TORCH_CHECK(real[b] >= 0 && real[b] <= Q, "sequence ", b, ": ", real[b], " rows of a ", Q, "-row block");
-    }
-  }
-  std::vector<int64_t> start(B);  // packed: sequence b's first row
-  int64_t total = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    start[b] = total;
-    total += real[b];
-  }
-  TORCH_CHECK(!packed || total == q.size(0), "packed q has ", q.size(0), " rows; rows sum to ", total);
-  at::Tensor out = packed ? at::empty({q.size(0), Hq, D}, q.options())
-                          : rows.has_value() ? at::zeros({B, Hq, Q, D}, q.options()) : at::empty({B, Hq, Q, D}, q.options());
-  // where row i of sequence b, query head h, lies in out, and in q
-  auto at_row = [&](int64_t b, int64_t h, int64_t i) { return packed ? ((start[b] + i) * Hq + h) * D : ((b * Hq + h) * Q + i) * D; };
-  auto q_at = [&](int64_t b, int64_t h, int64_t i) { return packed ? (start[b] + i) * q_row + h * D : at_row(b, h, i); };
-  const float *qp = qc.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  const int64_t* off = oc.data_ptr<int64_t>();
-  const bool* mp = mc.data_ptr<bool>();
-  float* op = out.data_ptr<float>();
-  const int64_t per_kv = Hq / kv_heads;
-  const float sc = static_cast<float>(scale);
-  // work items: up to TILE_ROWS query rows of one sequence that share a key-value head (so its
-  // context keys), scored against those keys together
-  constexpr int64_t TILE_ROWS = 3;
-  const int64_t group_rows = per_kv * Q, tiles = (group_rows + TILE_ROWS - 1) / TILE_ROWS;
-  // the tiles that hold real rows, (b * kv_heads + g) * tiles + tile, split evenly between the
-  // threads: split over every tile of the padded width, a step of one 17-row tree and three
-  // 1-row ones gave one thread 54 of the 60 real tiles (SmolLM2's heads at 300 positions: 221 us
-  // a call, 157 balanced; four 5-row trees 115-126)
-  std::vector<int64_t> work;
-  work.reserve(B * kv_heads * tiles);
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t g = 0; g < kv_heads; ++g)
-      for (int64_t tile = 0; tile * TILE_ROWS < per_kv * real[b]; ++tile) work.push_back((b * kv_heads + g) * tiles + tile);
-  at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> buffer(TILE_ROWS * (S + HEAD_LANES));
-    std::vector<int64_t> keys(S), block_keys(TILE_ROWS * Q);
-    for (int64_t index = begin; index < end; ++index) {
-      const int64_t item = work[index];
-      const int64_t b = item / (kv_heads * tiles), g = (item / tiles) % kv_heads, tile = item % tiles;
-      const int64_t head = g * head_stride, context = len[b], nb = real[b];
-      // this sequence's rows: query head g * per_kv + r / nb, block row r % nb, for r < per_kv * nb
-      const int64_t first = tile * TILE_ROWS, rows = std::min(TILE_ROWS, per_kv * nb - first);  // >= 1: a real tile
-      const float* qrows[TILE_ROWS];
-      float* scores[TILE_ROWS];
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t h = g * per_kv + (first + r) / nb, i = (first + r) % nb;
-        qrows[r] = qp + q_at(b, h, i);
-        scores[r] = buffer.data() + r * (S + HEAD_LANES);
-      }
-      for (int64_t p = 0; p < context; ++p) keys[p] = off[b * S + p] + head;
-      switch (rows) {
-        case 3: tile_scores<3>(qrows, kp, keys.data(), context, D, sc, scores); break;
-        case 2: tile_scores<2>(qrows, kp, keys.data(), context, D, sc, scores); break;
-        default: tile_scores<1>(qrows, kp, keys.data(), context, D, sc, scores); break;
-      }
-      float* outs[TILE_ROWS];
-      float totals[TILE_ROWS];
-      int64_t seen[TILE_ROWS];  // block keys each row sees
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t h = g * per_kv + (first + r) / nb, i = (first + r) % nb;
-        outs[r] = op + at_row(b, h, i);
-        float* sp = scores[r];
-        int64_t* own = block_keys.data() + r * Q;
-        seen[r] = 0;  // then the block keys this row sees, in block order
-        for (int64_t j = 0; j < Q; ++j)
-          if (mp[(b * Q + i) * Q + j]) own[seen[r]++] = off[b * S + context + j] + head;
-        float* tail = sp + context;
-        tile_scores<1>(&qrows[r], kp, own, seen[r], D, sc, &tail);
-        const int64_t n = context + seen[r];
-        __m256 top = _mm256_set1_ps(-INFINITY);  // the maximum, any order (exact)
-        int64_t t = 0;
-        for (; t + HEAD_LANES <= n; t += HEAD_LANES) top = _mm256_max_ps(top, _mm256_loadu_ps(sp + t));
-        alignas(32) float lanes[HEAD_LANES];
-        _mm256_store_ps(lanes, top);
-        float m = lanes[0];
-        for (int64_t j = 1; j < HEAD_LANES; ++j) m = std::max(m, lanes[j]);
-        for (; t < n; ++t) m = std::max(m, sp[t]);
-        for (t = 0; t < n; ++t) sp[t] -= m;
-        expf_lanes(sp, n);
-        // l: lane j sums the p_t with t = j mod 8 in key order (the tail padded with zeros), then sum_lanes
-        const int64_t padded = (n + HEAD_LANES - 1) / HEAD_LANES * HEAD_LANES;
-        for (t = n; t < padded; ++t) sp[t] = 0.0f;
-        __m256 total = _mm256_setzero_ps();
-        for (t = 0; t < padded; t += HEAD_LANES) total = _mm256_add_ps(total, _mm256_loadu_ps(sp + t));
-        totals[r] = sum_lanes(total);
-      }
-      // out = (sum over the keys in order of p_t value t) / l: the shared context keys for the
-      // tile's rows together, then each row's own block keys
-      switch (rows) {
-        case 3: rows_context_values<3>(vp, keys.data(), scores, context, D, outs); break;
-        case 2: rows_context_values<2>(vp, keys.data(), scores, context, D, outs); break;
-        default: rows_context_values<1>(vp, keys.data(), scores, context, D, outs); break;
-      }
-      for (int64_t r = 0; r < rows; ++r)
-        finish_values(vp, block_keys.data() + r * Q, scores[r] + context, seen[r], D, totals[r], outs[r]);
-    }
-  });
-  return out;
-}
-
-#else
-at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& offsets,
-                          int64_t kv_heads, int64_t head_stride, const at::Tensor& lengths, const at::Tensor& mask,
-                          double scale, const std::optional<at::Tensor>& rows, bool packed) {
-  TORCH_CHECK(false, "ddtree_cpu.tree_attention is built for AVX2 CPUs (torch's SDPA serves elsewhere)");
-}
-#endif
-
-// --- row-wise ops -------------------------------------------------------------------------------
-//
-// The few elementwise and per-row steps between a layer's GEMMs, one op each where torch takes
-// several: at the few rows of decoding each op's first call after a GEMM costs ~20-80 us on
-// this 2-core machine whatever its size (torch.rms_norm at 9 rows: 82 us right after a linear,
-// 11 us when repeated; its composite runs five ops), so a layer's norm, residual and gating cost
-// more than its arithmetic. Every row is computed by the same fixed order of operations whatever
-// the number of rows and threads (batch invariance, as float_mm): a tree's verify row gets
-// bitwise what plain decoding of the same token gets.
-//
-//   rms_norm      x [M, D], w [D] -> x * w / sqrt(mean(x^2) + eps); the sum of squares in 8
-//                 partial sums (element i into sum i mod 8, in increasing i), then added in one
-//                 fixed tree
-//   add_rms_norm  x, r [M, D] -> (x + r, rms_norm(x + r)): a residual add and the next norm
-//   silu_mul      gate, up [M, I] -> silu(gate) * up, with silu(g) = g / (1 + exp(-g)) from
-//                 expf_lanes (exp of -|g|, so never above 1)
-//   rope_qk       q [M, Hq, D], k [M, Hkv, D], cos, sin [M, D] -> [M, Hq + Hkv, D]: both rotated
-//                 (workers.model.apply_rope, rotate-half) into one tensor, as cat + rope did
-
-inline float row_inverse_rms(const float* x, int64_t D, float eps) {
-  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int64_t i = 0;
-  for (; i + 8 <= D; i += 8)
-    for (int j = 0; j < 8; ++j) part[j] += x[i + j] * x[i + j];
-  for (int j = 0; i < D; ++i, ++j) part[j] += x[i] * x[i];
-  const float sum = ((part[0] + part[4]) + (part[2] + part[6])) + ((part[1] + part[5]) + (part[3] + part[7]));
-  return 1.0f / std::sqrt(sum / static_cast<float>(D) + eps);
-}
-
-// o = a * w / sqrt(mean(a^2) + eps), one row of D
-inline void normalize_row(const float* a, const float* w, int64_t D, float eps, float* o) {
-  const float inv = row_inverse_rms(a, D, eps);
-  for (int64_t i = 0; i < D; ++i) o[i] = a[i] * inv * w[i];
-}
-
-void check_rows(const at::Tensor& t, const char* name, int64_t D) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, "ddtree_cpu: ", name, " must be a float32 CPU tensor");
-  TORCH_CHECK(t.dim() >= 1 && t.size(-1) == D, "ddtree_cpu: ", name, " has ", t.size(-1), " columns, expected ", D);
-}
-
-// rows of at most this many run on the calling thread (a decode step's); more split over threads by rows
-constexpr int64_t ROW_GRAIN = 256;
-
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  const int64_t D = w.numel();
-  check_rows(x, "x", D);
-  check_rows(w, "w", D);
-  at::Tensor xc = x.contiguous(), wc = w.contiguous();
-  at::Tensor out = at::empty_like(xc);
-  const float *px = xc.data_ptr<float>(), *pw = wc.data_ptr<float>();
-  float* po = out.data_ptr<float>();
-  const float e = static_cast<float>(eps);
-  at::parallel_for(0, D ? xc.numel() / D : 0, ROW_GRAIN, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) normalize_row(px + r * D, pw, D, e, po + r * D);
-  });
-  return out;
-}
-
-std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& r, const at::Tensor& w,
-                                                double eps) {
-  const int64_t D = w.numel();
-  check_rows(x, "x", D);
-  check_rows(r, "r", D);
-  check_rows(w, "w", D);
-  TORCH_CHECK(x.sizes() == r.sizes(), "ddtree_cpu.add_rms_norm: x and r differ in shape");
-  at::Tensor xc = x.contiguous(), rc = r.contiguous(), wc = w.contiguous();
-  at::Tensor sum = at::empty_like(xc), out = at::empty_like(xc);
-  const float *px = xc.data_ptr<float>(), *pr = rc.data_ptr<float>(), *pw = wc.data_ptr<float>();
-  float *ps = sum.data_ptr<float>(), *po = out.data_ptr<float>();
-  const float e = static_cast<float>(eps);
-  at::parallel_for(0, D ? xc.numel() / D : 0, ROW_GRAIN, [&](int64_t lo, int64_t hi) {
-    for (int64_t row = lo; row < hi; ++row) {
-      float* s = ps + row * D;
-      for (int64_t i = 0; i < D; ++i) s[i] = px[row * D + i] + pr[row * D + i];
-      normalize_row(s, pw, D, e, po + row * D);
-    }
-  });
-  return {sum, out};
-}
-
-at::Tensor rope_qk(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, const at::Tensor& sin) {
-  TORCH_CHECK(q.dim() >= 2 && k.dim() == q.dim() && q.size(-1) % 2 == 0,
-              "ddtree_cpu.rope_qk: q, k [..., heads, D] with D even");
-  const int64_t D = q.size(-1), Hq = q.size(-2), Hk = k.size(-2), half = D / 2;
-  check_rows(q, "q", D);
-  check_rows(k, "k", D);
-  check_rows(cos, "cos", D);
-  check_rows(sin, "sin", D);
-  // [M, H, D] views where the rows allow (q and k split from one fused GEMM's output), else copies
-  at::Tensor qv = q.reshape({-1, Hq, D}), kv = k.reshape({-1, Hk, D});
-  at::Tensor cv = cos.reshape({-1, D}), sv = sin.reshape({-1, D});
-  if (qv.stride(2) != 1 || qv.stride(1) != D) qv = qv.contiguous();
-  if (kv.stride(2) != 1 || kv.stride(1) != D) kv = kv.contiguous();
-  if (cv.stride(1) != 1) cv = cv.contiguous();
-  if (sv.stride(1) != 1) sv = sv.contiguous();
-  const int64_t M = qv.size(0);
-  TORCH_CHECK(kv.size(0) == M && cv.size(0) == M && sv.size(0) == M, "ddtree_cpu.rope_qk: q, k, cos and sin differ in rows");
-  at::Tensor out = at::empty({M, Hq + Hk, D}, qv.options());
-  const float *pq = qv.data_ptr<float>(), *pk = kv.data_ptr<float>(), *pc = cv.data_ptr<float>(), *ps = sv.data_ptr<float>();
-  float* po = out.data_ptr<float>();
-  const int64_t qs = qv.stride(0), ks = kv.stride(0), cs = cv.stride(0), ss = sv.stride(0);
-  at::parallel_for(0, M, ROW_GRAIN, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) {
-      const float *c = pc + r * cs, *s = ps + r * ss;
-      for (int64_t h = 0; h < Hq + Hk; ++h) {
-        const float* x = h < Hq ? pq + r * qs + h * D : pk + r * ks + (h - Hq) * D;
-        float* o = po + (r * (Hq + Hk) + h) * D;
-        for (int64_t j = 0; j < half; ++j) o[j] = x[j] * c[j] - x[j + half] * s[j];
-        for (int64_t j = half; j < D; ++j) o[j] = x[j] * c[j] + x[j - half] * s[j];
-      }
-    }
-  });
-  std::vector<int64_t> shape(q.sizes().begin(), q.sizes().end());
-  shape[shape.size() - 2] = Hq + Hk;
-  return out.view(shape);
-}
-
-#ifdef __AVX2__
-at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
-  const int64_t I = gate.size(-1);
-  check_rows(gate, "gate", I);
-  check_rows(up, "up", I);
-  TORCH_CHECK(gate.sizes() == up.sizes(), "ddtree_cpu.silu_mul: gate and up differ in shape");
-  // [M, I] views where the rows allow (gate and up split from one fused GEMM's output), else copies
-  at::Tensor g = gate.reshape({-1, I}), u = up.reshape({-1, I});
-  if (g.stride(1) != 1) g = g.contiguous();
-  if (u.stride(1) != 1) u = u.contiguous();
-  const int64_t M = g.size(0), gs = g.stride(0), us = u.stride(0);
-  at::Tensor out = at::empty({M, I}, g.options());
-  const float *pg = g.data_ptr<float>(), *pu = u.data_ptr<float>();
-  float* po = out.data_ptr<float>();
-  at::parallel_for(0, M, ROW_GRAIN, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) {
-      const float *a = pg + r * gs, *b = pu + r * us;
-      float* o = po + r * I;
-      for (int64_t i = 0; i < I; ++i) o[i] = -std::fabs(a[i]);
-      expf_lanes(o, I);  // e = exp(-|g|)
-      for (int64_t i = 0; i < I; ++i) {
-        const float e = o[i], sigmoid = a[i] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
-        o[i] = a[i] * sigmoid * b[i];
-      }
-    }
-  });
-  return out.view(gate.sizes());
-}
-#else
-at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
-  TORCH_CHECK(false, "ddtree_cpu.silu_mul is built for AVX2 CPUs (torch's silu serves elsewhere)");
-}
-#endif
 
 // --- the FMA rate ---------------------------------------------------------------------------------
 //
@@ -1365,23 +828,4 @@ double fma_rate(int64_t iterations) {
 #endif
 }
 
-}  // namespace
-
-TORCH_LIBRARY(ddtree_cpu, m) {
-  m.def("blocks_mm(Tensor x, Tensor blocks, str kind) -> Tensor");
-  m.impl("blocks_mm", c10::DispatchKey::CPU, TORCH_FN(blocks_mm));
-  m.def("float_mm(Tensor x, Tensor w) -> Tensor");
-  m.impl("float_mm", c10::DispatchKey::CPU, TORCH_FN(float_mm));
-  m.def("tree_attention(Tensor q, Tensor k, Tensor v, Tensor offsets, int kv_heads, int head_stride, Tensor lengths, "
-        "Tensor mask, float scale, Tensor? rows=None, bool packed=False) -> Tensor");
-  m.impl("tree_attention", c10::DispatchKey::CPU, TORCH_FN(tree_attention));
-  m.def("fma_rate(int iterations) -> float", TORCH_FN(fma_rate));
-  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
-  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
-  m.def("add_rms_norm(Tensor x, Tensor r, Tensor w, float eps) -> (Tensor, Tensor)");
-  m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
-  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
-  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
-  m.def("rope_qk(Tensor q, Tensor k, Tensor cos, Tensor sin) -> Tensor");
-  m.impl("rope_qk", c10::DispatchKey::CPU, TORCH_FN(rope_qk));
-}
+}  // namespace ddtree_cpu
