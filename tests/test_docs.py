@@ -156,3 +156,28 @@ def test_the_readme_generate_command_runs_as_written(request):
         result = json.loads(done.stdout.strip().splitlines()[-1])
         assert result["text"] and result["finish_reason"] in ("stop", "length")
         assert len(result["tokens"]) <= 64
+
+
+# A sitting named by its number (the word session or sitting with a number after it, or an
+# ordinal before it) or a file named by one (a `-s` and a number before its suffix): the
+# repository speaks of the project and dates, not of the sittings that built it.
+NUMBERED_SITTING = re.compile(r"\b(sessions?|sittings?) ?#?\d+\b|\b\d+(st|nd|rd|th) (session|sitting)\b", re.I)
+SITTING_FILE = re.compile(r"-s\d+\.[a-z]+$")
+
+
+def test_no_text_or_file_name_speaks_of_numbered_sittings():
+    files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    named = [f for f in files if SITTING_FILE.search(f)]
+    assert not named, named
+    spoken = []
+    for name in files:
+        path = ROOT / name
+        if path.suffix not in {".py", ".md", ".yaml", ".yml", ".txt", ".toml", ".cpp", ".h", ".json", ""}:
+            continue
+        try:
+            text = path.read_text()
+        except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
+            continue
+        spoken += [f"{name}:{i}: {line.strip()}" for i, line in enumerate(text.splitlines(), 1)
+                   if NUMBERED_SITTING.search(line)]
+    assert not spoken, spoken

@@ -80,7 +80,7 @@ def _is_about(topic: set[str], judged: set[str]) -> bool:
 
 
 def test_no_chat_topic_is_the_subject_of_a_judged_chat_prompt():
-    """Session 35's chat_prompts.py had topics that are judged vicuna-bench prompts' subjects:
+    """An earlier chat_prompts.py had topics that are judged vicuna-bench prompts' subjects:
     "Python" and "JavaScript" compared (judged prompt 2), "critical thinking" (6), "vaccines"
     (16), "natural selection" (19), "working from home" (3), "a recession" (12), among the first
     20 that eval-drafter judges. No prompt was a judged one word for word, but the target answers
