@@ -393,6 +393,7 @@ def main() -> None:
     parser.add_argument("--sample-s", type=float, default=10.0, help="seconds between memory/batch samples")
     parser.add_argument("--window", type=float, default=5.0, help="minutes of the first/last p99 windows")
     parser.add_argument("--out", help="JSON figures and samples")
+    parser.add_argument("--outcomes", help="JSON: every request as its client saw it (~250 bytes each)")
     parser.add_argument("--plot", help="PNG: memory, inter-token gaps and load over time")
     args = parser.parse_args()
 
@@ -424,10 +425,11 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({
             "started": started, "command": "python benchmarks/soak.py " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k not in ("out", "plot")),
+                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k not in ("out", "plot", "outcomes")),
             "config": config, "budgets": budgets, "figures": figures, "samples": [asdict(s) for s in samples],
-            "outcomes": [{k: v for k, v in asdict(o).items() if k not in ("text", "gaps")} for o in outcomes],
         }, indent=1, default=str))
+    if args.outcomes:
+        Path(args.outcomes).write_text(json.dumps([asdict(o) for o in outcomes], default=str))
     if args.plot:
         plot(figures, samples, args.plot, f"ddtree soak {started}: {args.concurrency} clients, {args.minutes:g} min")
     raise SystemExit(0 if figures["ok"] else 1)
