@@ -68,13 +68,17 @@ def device(config: ModelPairConfig) -> torch.device:
 def engine_threads(config: ModelPairConfig) -> tuple[int, str]:
     """How many intra-op threads this engine process uses, and why: `threads` when set, else
     the CPUs Ray reserved for this actor (so replicas on one machine never oversubscribe its
-    cores: two processes with 2 OpenMP threads each on 2 cores slow a GEMM 10-30x), else the
-    cores this process may run on."""
+    cores: two processes with 2 OpenMP threads each on 2 cores slow a GEMM 10-30x), at most the
+    cores this process may run on (a cluster may declare more CPUs than the machine has), else
+    those cores."""
     if config.threads is not None:
         return config.threads, "threads in the config"
     ray = sys.modules.get("ray")  # a process that never imported Ray is no Ray actor
     if ray is not None and ray.is_initialized() and ray.get_runtime_context().worker.mode == ray.WORKER_MODE:
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+        cores = len(os.sched_getaffinity(0))
+        if cpus > cores:
+            return cores, f"Ray reserved {cpus:g} CPUs for this actor, on {cores} cores"
         return max(1, int(cpus)), f"Ray reserved {cpus:g} CPUs for this actor"
     return len(os.sched_getaffinity(0)), "the cores this process may run on"
 

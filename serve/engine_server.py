@@ -162,9 +162,12 @@ class EngineServer:
         self.metrics.set_kernels(self.engine.backends)
         self.driver = BatchDriver(self.engine.scheduler, self.worker, self._step_metrics)
         logger.info(
-            "ddtree engine ready: %s, budget %s, %d intra-op threads, up to %d sequences at once, in %.1f s",
-            self.config.served_name, self.engine.budget, torch.get_num_threads(), self.config.max_num_seqs,
-            time.perf_counter() - started,
+            "ddtree engine ready: %s, budget %s, %d intra-op threads, linears %s, attention %s%s, up to %d "
+            "sequences at once, in %.1f s",
+            self.config.served_name, self.engine.budget, torch.get_num_threads(), self.engine.backends.linear,
+            self.engine.backends.attention,
+            " (bitwise)" if self.engine.backends.bitwise else f" (fallback: {self.engine.backends.reason})",
+            self.config.max_num_seqs, time.perf_counter() - started,
         )
 
     def batch_stats(self) -> dict:

@@ -248,20 +248,23 @@ def test_tp2_equals_tp1_on_smollm2(ray_cluster, smollm2):
 def test_an_engine_in_a_ray_actor_runs_as_many_threads_as_cpus_ray_reserved_it(ray_cluster):
     """A replica's intra-op threads are the CPUs Ray reserved for its actor (two processes with 2
     OpenMP threads each on 2 cores slow a GEMM 10-30x); outside an actor, the cores this process
-    may run on. The check reads Ray from the modules already imported (a process that never
+    may run on, and never more than those cores (the test cluster declares 8 CPUs on this
+    machine's 2). The check reads Ray from the modules already imported (a process that never
     imported Ray is no actor; gpu-check's machine has no Ray at all), so it must still see the
     actor from inside one."""
     from ddtree.config import ModelPairConfig
     from ddtree.engine import engine_threads
 
-    @ray.remote(num_cpus=3)
+    @ray.remote
     class Replica:
         def threads(self):
             return engine_threads(ModelPairConfig())
 
-    actor = Replica.remote()
-    threads, why = ray.get(actor.threads.remote())
-    ray.kill(actor)
-    assert threads == 3 and "Ray reserved 3 CPUs" in why
+    cores = len(os.sched_getaffinity(0))
+    for cpus in (1, cores + 1):
+        actor = Replica.options(num_cpus=cpus).remote()
+        threads, why = ray.get(actor.threads.remote())
+        ray.kill(actor)
+        assert threads == min(cpus, cores) and f"Ray reserved {cpus} CPUs" in why, (cpus, threads, why)
     assert engine_threads(ModelPairConfig()) == (len(os.sched_getaffinity(0)), "the cores this process may run on")
     assert engine_threads(ModelPairConfig(threads=5)) == (5, "threads in the config")

@@ -173,11 +173,18 @@ def test_an_engine_replica_reserves_and_decodes_on_the_machines_cores_by_default
     schedules and reserves 1 (its shards reserve their own bundles). The ingress reserves none."""
     import os
 
+    import ray
+
     from ddtree.serve.app import build_app, engine_cpus
     from ddtree.serve.config import ServeConfig
 
+    # without Ray (`serve run`'s import), this machine's cores; where the test run's cluster has
+    # started in this process, its largest node's CPUs (the session cluster declares more than
+    # the machine has)
     cores = len(os.sched_getaffinity(0))
-    assert engine_cpus(ServeConfig()) == cores  # no Ray started here: this machine's cores
+    if ray.is_initialized():
+        cores = int(max(n["Resources"].get("CPU", 0) for n in ray.nodes() if n["Alive"]))
+    assert engine_cpus(ServeConfig()) == cores
     assert engine_cpus(ServeConfig(engine_num_cpus=0.5)) == 0.5
     assert engine_cpus(ServeConfig(tp=2)) == 1
     ingress = build_app({})._bound_deployment
