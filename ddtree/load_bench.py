@@ -29,7 +29,9 @@ from .config import SamplingParams
 
 
 @dataclass
-class LoadRow:
+class Throughput:
+    """One cell's counts: a budget at a concurrency, its completions, tokens and rounds."""
+
     budget: int | str
     concurrency: int
     requests: int = 0
@@ -37,12 +39,11 @@ class LoadRow:
     seconds: float = 0.0
     rounds: int = 0
     round_tokens: int = 0
-    ttft_s: list[float] = field(default_factory=list)
-    itl_s: list[float] = field(default_factory=list)
-    granted: dict = field(default_factory=dict)  # in process: granted budget -> rounds
-    predicted: float = 0.0  # in process, budget auto: accepted tokens the policy expected ...
+    # where the step loop is seen (in process, or replayed; not through a server):
+    granted: dict = field(default_factory=dict)  # granted budget -> rounds
+    predicted: float = 0.0  # budget auto: accepted tokens the policy expected ...
     accepted: int = 0  # ... and what those rounds accepted
-    busy_tokens: int = 0  # in process: the tokens of the steps that began with every stream busy ...
+    busy_tokens: int = 0  # the tokens of the steps that began with every stream busy ...
     busy_seconds: float = 0.0  # ... and their seconds
 
     @property
@@ -59,10 +60,22 @@ class LoadRow:
 
     def summary(self) -> dict:
         d = asdict(self)
-        d.pop("ttft_s"), d.pop("itl_s")
         d["granted"] = {str(b): n for b, n in self.granted.items()}
-        d.update(tokens_per_s=self.tokens_per_s, busy_tokens_per_s=self.busy_tokens_per_s, tau=self.tau,
-                 ttft_p50_s=percentile(self.ttft_s, 50), ttft_p99_s=percentile(self.ttft_s, 99),
+        d.update(tokens_per_s=self.tokens_per_s, busy_tokens_per_s=self.busy_tokens_per_s, tau=self.tau)
+        return d
+
+
+@dataclass
+class LoadRow(Throughput):
+    """A measured cell, with its latencies."""
+
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        d = super().summary()
+        d.pop("ttft_s"), d.pop("itl_s")
+        d.update(ttft_p50_s=percentile(self.ttft_s, 50), ttft_p99_s=percentile(self.ttft_s, 99),
                  itl_p50_s=percentile(self.itl_s, 50), itl_p99_s=percentile(self.itl_s, 99))
         return d
 

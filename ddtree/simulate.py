@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .load_bench import Throughput
 from .trace import Trace
 from .workers.batch_backends import DraftRows, TargetBatch, TargetStep
 from .workers.model import TreeBits
@@ -241,37 +242,14 @@ class ReplayDrafter:
 
 
 @dataclass
-class SimRow:
-    """One cell: a policy at a concurrency under a cost model."""
+class SimRow(Throughput):
+    """One cell: a policy at a concurrency under a cost model (seconds virtual; the busy steps:
+    a closed loop's ramp and drain left out)."""
 
-    cost: str
-    budget: Budget
-    concurrency: int
-    requests: int = 0
-    tokens: int = 0
-    seconds: float = 0.0  # virtual
+    cost: str = ""
     steps: int = 0
-    rounds: int = 0
-    round_tokens: int = 0
     drafted_rounds: int = 0  # rounds that verified drafted nodes ...
     drafted_nodes: int = 0  # ... and their nodes
-    predicted: float = 0.0  # budget auto: accepted tokens the policy expected ...
-    accepted: int = 0  # ... and what those rounds accepted
-    granted: dict = field(default_factory=dict)  # budget a round was granted -> rounds
-    busy_tokens: int = 0  # the tokens of the steps that began with every stream holding a request ...
-    busy_seconds: float = 0.0  # ... and their seconds (the ramp and drain of a closed loop left out)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    @property
-    def busy_tokens_per_s(self) -> float:
-        return self.busy_tokens / self.busy_seconds if self.busy_seconds else 0.0
-
-    @property
-    def tau(self) -> float | None:
-        return self.round_tokens / self.rounds if self.rounds else None
 
     @property
     def mean_nodes(self) -> float:
@@ -279,11 +257,7 @@ class SimRow:
         return self.drafted_nodes / self.drafted_rounds if self.drafted_rounds else 0.0
 
     def summary(self) -> dict:
-        d = asdict(self)
-        d["granted"] = {str(b): n for b, n in self.granted.items()}
-        d.update(tokens_per_s=self.tokens_per_s, busy_tokens_per_s=self.busy_tokens_per_s, tau=self.tau,
-                 mean_nodes=self.mean_nodes)
-        return d
+        return {**super().summary(), "mean_nodes": self.mean_nodes}
 
     def line(self) -> str:
         return (f"{self.cost} budget {self.budget} x{self.concurrency}: {self.tokens_per_s:.1f} tokens/s, "
@@ -323,7 +297,7 @@ def simulate(trace: Trace, cost: CostModel, budget: Budget, concurrency: int, re
     requests = requests or max(2 * concurrency, len(seqs))
     todo = deque(i % len(seqs) for i in range(requests))
     live: dict[int, int] = {}  # scheduler sequence id -> trace sequence
-    row = SimRow(cost.name, budget, concurrency)
+    row = SimRow(budget, concurrency, cost=cost.name)
 
     def send() -> None:
         i = todo.popleft()
