@@ -47,17 +47,15 @@ from pathlib import Path
 import torch
 
 from ddtree import load_bench
-from ddtree.bench import read_prompts
+from ddtree.bench import MIXED_FILES, interleaved_prompts
 from ddtree.config import ModelPairConfig, parse_budget
 from ddtree.engine import Engine, freeze_startup
 
 DATA = Path(__file__).parent / "data"
-FILES = ("gsm8k-test.jsonl", "humaneval.jsonl", "vicuna-bench.jsonl")
 
 
-def mixed_prompts(per_file: int, files: tuple[str, ...] = FILES) -> list[str]:
-    sets = [read_prompts(DATA / f, per_file) for f in files]
-    return [p for group in zip(*sets) for p in group]
+def mixed_prompts(per_file: int, files: tuple[str, ...] = MIXED_FILES) -> list[str]:
+    return interleaved_prompts([DATA / f for f in files], per_file)
 
 
 def main() -> None:
@@ -79,7 +77,7 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=False,
                         help="the engine's lookup-branch default, for auto and every fixed budget alike")
-    parser.add_argument("--files", default=",".join(FILES),
+    parser.add_argument("--files", default=",".join(MIXED_FILES),
                         help="the prompt files the tables run (interleaved; the warm-up takes all three): one file "
                              "shows what `auto` does on one domain")
     parser.add_argument("--length-spread", type=float, default=0.0,

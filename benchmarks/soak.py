@@ -45,11 +45,10 @@ from pathlib import Path
 
 import httpx
 
-from ddtree.bench import read_prompts
+from ddtree.bench import MIXED_FILES, interleaved_prompts
 from ddtree.load_bench import percentile
 
 DATA = Path(__file__).parent / "data"
-PROMPT_FILES = ("gsm8k-test.jsonl", "humaneval.jsonl", "vicuna-bench.jsonl")
 APP = "soak"
 ENGINE = "DDTreeEngine"  # serve.app.build_app's engine deployment
 # The app's limits: requests past them are the mix's `over` requests.
@@ -376,8 +375,7 @@ def plot(figures: dict, samples: list[Sample], path: str | Path, title: str) -> 
 
 
 def mixed_prompts(per_file: int) -> list[str]:
-    sets = [read_prompts(DATA / f, per_file) for f in PROMPT_FILES]
-    return [p for group in zip(*sets) for p in group]
+    return interleaved_prompts([DATA / f for f in MIXED_FILES], per_file)
 
 
 def main() -> None:
@@ -385,7 +383,7 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--budgets", default="0,chain,16,64,auto")
-    parser.add_argument("--per-file", type=int, default=4, help="prompts from each of %s" % ", ".join(PROMPT_FILES))
+    parser.add_argument("--per-file", type=int, default=4, help="prompts from each of %s" % ", ".join(MIXED_FILES))
     parser.add_argument("--model", help="target checkpoint (default: the default pair's)")
     parser.add_argument("--drafter", help="drafter checkpoint (default: the default pair's)")
     parser.add_argument("--config", default="{}", help="more ServeConfig fields, JSON")

@@ -46,6 +46,16 @@ def read_prompts(path: str | Path, limit: int | None) -> list[str]:
     return prompts
 
 
+MIXED_FILES = ("gsm8k-test.jsonl", "humaneval.jsonl", "vicuna-bench.jsonl")  # benchmarks/data: the mixed workload
+
+
+def interleaved_prompts(paths: list[str | Path], per_file: int) -> list[str]:
+    """The first `per_file` prompts of each file, interleaved (a, b, c, a, b, c, ...): with
+    MIXED_FILES, the mixed workload the budget policy is measured and soaked on."""
+    sets = [read_prompts(path, per_file) for path in paths]
+    return [p for group in zip(*sets) for p in group]
+
+
 def write_prompts(path: str | Path, prompts: list[str]) -> None:
     """`prompts` as JSONL rows with `prompt` (what read_prompts reads back)."""
     with open(path, "w") as f:

@@ -344,23 +344,12 @@ def _load_bench(args: argparse.Namespace, config, budgets: list) -> int:
     return 0
 
 
-MIXED_FILES = ("gsm8k-test.jsonl", "humaneval.jsonl", "vicuna-bench.jsonl")  # benchmarks/data: the mixed workload
-
-
-def interleaved_prompts(files: list[str], per_file: int) -> list[str]:
-    """The first `per_file` prompts of each file, interleaved (a, b, c, a, b, c, ...): the
-    mixed workload of benchmarks/budget_policy.py."""
-    from .bench import read_prompts
-
-    sets = [read_prompts(f, per_file) for f in files]
-    return [p for group in zip(*sets) for p in group]
-
-
 def _trace(args: argparse.Namespace) -> int:
     """`ddtree trace`: record a trace (ddtree.trace) of prompts from one or more files."""
     from tqdm import tqdm
 
     from . import trace
+    from .bench import MIXED_FILES, interleaved_prompts
     from .config import parse_budget
 
     try:
