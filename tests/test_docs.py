@@ -161,11 +161,15 @@ def test_the_readme_generate_command_runs_as_written(request):
 # A sitting named by its number (the word session or sitting with a number after it, or an
 # ordinal before it) or a file named by one (a `-s` and a number before its suffix): the
 # repository speaks of the project and dates, not of the sittings that built it.
-NUMBERED_SITTING = re.compile(r"\b(sessions?|sittings?) ?#?\d+\b|\b\d+(st|nd|rd|th) (session|sitting)\b", re.I)
+SITTING_WORDS = "session|sitting"
+NUMBERED_SITTING = re.compile(rf"\b({SITTING_WORDS})s? ?#?\d+\b|\b\d+(st|nd|rd|th) ({SITTING_WORDS})\b", re.I)
 SITTING_FILE = re.compile(r"-s\d+\.[a-z]+$")
 
 
 def test_no_text_or_file_name_speaks_of_numbered_sittings():
+    for word in SITTING_WORDS.split("|"):  # the patterns catch what they are for, and not a word alone
+        assert NUMBERED_SITTING.search(f"{word.title()} 35 had") and NUMBERED_SITTING.search(f"the 46th {word}")
+        assert not NUMBERED_SITTING.search(f"a {word} fixture") and SITTING_FILE.search(f"policy-{word}-s66.json")
     files = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
     named = [f for f in files if SITTING_FILE.search(f)]
     assert not named, named
