@@ -153,11 +153,16 @@ class EngineServer:
         built leaves the cycle collector's reach (`freeze_startup`)."""
         self.config = ServeConfig.model_validate(config)
         started = time.perf_counter()
-        self.engine = Engine.from_config(self.config)
+        # Every forward of this engine -- start-up's calibration and warm-up too -- runs on this
+        # one thread. OpenMP (libgomp) keeps a thread team per calling thread; a second team (the
+        # constructor's) makes it count more threads than cores and stop spinning between
+        # parallel regions, and each of a step's hundreds of regions then waits for a sleeping
+        # worker to wake: the served step ran ~1.5x the in-process one on 2 cores.
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddtree-engine")
+        self.engine = self.worker.submit(Engine.from_config, self.config).result()
         if replica:
             freeze_startup()
         self.created = int(time.time())
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ddtree-engine")
         self.metrics = EngineMetrics(self.config.served_name)
         self.metrics.set_kernels(self.engine.backends)
         self.driver = BatchDriver(self.engine.scheduler, self.worker, self._step_metrics)

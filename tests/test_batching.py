@@ -292,6 +292,39 @@ def test_a_reader_that_fell_behind_gets_one_event_for_the_steps_it_missed(tiny_c
     assert behind[-1]["usage"] == prompt[-1]["usage"]
 
 
+def test_every_forward_of_a_served_engine_runs_on_its_step_thread(tiny_chat_model):
+    """OpenMP (libgomp) keeps a team of worker threads for each thread that calls into it, and
+    once it counts more of its threads than cores it stops spinning between parallel regions:
+    each of a step's hundreds of regions then waits for a sleeping worker to wake. The engine
+    replica built its engine (`budget: auto`'s start-up calibration included) on the
+    constructor's thread and stepped on its worker thread -- two teams -- and on 2 cores the
+    served SmolLM2 step took ~1.5x the in-process one (plain decoding, one stream: 19-20 tokens/s
+    served, 28-30 in process; each engine thread ~60% busy where in process both were ~93%).
+    Every forward, start-up's and a request's, now runs on the one engine thread."""
+    import asyncio
+    import threading
+
+    from ddtree.serve.engine_server import EngineServer
+
+    callers: list[set[int]] = [set()]
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: callers[-1].add(threading.get_ident()))
+    try:
+        server = EngineServer({"model": str(tiny_chat_model), "budget": "auto", "block_size": 4, "max_num_seqs": 2})
+        callers.append(set())
+
+        async def run() -> list[dict]:
+            return [e async for e in server.stream({"kind": "chat", "messages": CHAT_SAMPLE, "max_tokens": 8,
+                                                     "temperature": 0})]
+
+        assert asyncio.run(run())[-1]["type"] == "end"
+    finally:
+        hook.remove()
+    engine_thread = server.worker.submit(threading.get_ident).result()
+    start_up, request = callers
+    assert start_up == {engine_thread} and request == {engine_thread}, (start_up, request, engine_thread)
+
+
 def test_a_replica_takes_what_start_up_built_out_of_the_collectors_reach(tiny_chat_model):
     """A full collection scanned the ~370k objects that start-up leaves (imports, the models'
     modules, the tokenizer) every time it ran: 144 ms, a stall of every stream, about once in two
