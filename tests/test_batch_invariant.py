@@ -3,9 +3,11 @@ the paged tree-attention kernel with `batch_invariant`) give each row bitwise th
 alone, whatever rows share its call -- the property cuBLAS's shape-dependent tiles and split-K,
 and the paged kernel's batch-dependent splits, do not have. Checked under Triton's interpreter
 (TRITON_INTERPRET=1, conftest.py) on shapes that break the tiles (K, N, H not multiples of a
-tile; M 1 ... 65), against torch references within rounding.
+tile; M 1 ... 65), against torch references within rounding; a tiny model's forward routed as
+on CUDA (CPU tensors on the Triton route) gives each row's logits bitwise its lone run's.
 Under the interpreter bf16 cannot go through `tl.dot` (numpy has no bfloat16): fp16 stands in
-for the GEMM and attention there; bf16 runs compiled in `deterministic_check` on a GPU.
+for the GEMM and attention there; with DDTREE_KERNEL_DEVICE=cuda these tests run compiled, bf16
+too, and `deterministic_check` (benchmarks/gpu_check.py's hook) checks bf16 at Qwen3-8B's shapes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from ddtree.kernels.tree_batch import TreeBatch, pack_bits  # noqa: E402
 
 DEVICE = os.environ.get("DDTREE_KERNEL_DEVICE", "cpu")
 ROW_COUNTS = (1, 2, 7, 17, 65)
+# tl.dot in bf16 runs compiled only (the interpreter's numpy has no bfloat16)
+DOT_DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE != "cpu" else [])
 
 
 def assert_rows_alone(call, x: torch.Tensor) -> None:
@@ -36,7 +40,7 @@ def assert_rows_alone(call, x: torch.Tensor) -> None:
             assert torch.equal(got[r], lone[r]), f"row {r} of a {m}-row call differs from the row alone"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
 @pytest.mark.parametrize("k, n, bias", [(200, 150, False), (64, 130, True), (70, 64, False)])
 def test_invariant_linear_rows_are_bitwise_their_lone_rows(dtype, k, n, bias):
     """Row r of an M-row GEMM (M 1 ... 65: inside one row tile, across several) is bitwise the
@@ -48,7 +52,7 @@ def test_invariant_linear_rows_are_bitwise_their_lone_rows(dtype, k, n, bias):
     assert_rows_alone(lambda rows: bi.invariant_linear(rows, w, b), x)
     got = bi.invariant_linear(x, w, b)
     assert got.dtype == dtype and got.shape == (x.shape[0], n)
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
     torch.testing.assert_close(got.float().cpu(), bi.invariant_linear_ref(x, w, b).float().cpu(), atol=tol, rtol=tol)
     # a [B, Q, K] block and a strided view of the rows: the same rows, the same bits
     block = x[:64].view(4, 16, k)
@@ -125,7 +129,7 @@ class Sequences:
                                                 bits, self.page, rows)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", DOT_DTYPES)
 @pytest.mark.parametrize("split_keys", [32, None])  # None: INVARIANT_SPLIT_KEYS
 def test_paged_attention_rows_are_bitwise_alone_whatever_the_batch(dtype, split_keys):
     """With `batch_invariant`, a sequence's tree rows are bitwise the same alone (its own Q, its
@@ -150,3 +154,110 @@ def test_the_invariant_tiles_do_not_follow_the_call():
     fixed number of keys."""
     assert tk.paged_split_keys(4096, 8, 32) != tk.paged_split_keys(4096, 64, 32)
     assert tk.INVARIANT_SPLIT_KEYS % 32 == 0
+
+
+def test_the_gpu_check_of_deterministic_mode_runs_and_passes_here():
+    """`deterministic_check` (what `make gpu-check` runs compiled at Qwen3-8B's shapes) at tiny
+    shapes under the interpreter: every kernel's rows bitwise alone, values within rounding."""
+    got = bi.deterministic_check(device=DEVICE, dtype=torch.float16, hidden=72, intermediate=130, head_dim=64,
+                                 heads=4, kv_heads=1, row_counts=(1, 2, 7), contexts=(40, 7, 0))
+    assert got["ok"], got
+    assert got["linear"]["max_abs_err"] < 1e-2 and got["rms_norm"]["max_abs_err"] < 1e-2
+    assert got["attention"]["max_abs_err"] < 2e-2
+
+
+def test_deterministic_on_cuda_selects_the_triton_kernels_and_refuses_what_they_cannot_run():
+    """`deterministic: true` with `device: cuda` (checked here without a GPU: the choice reads
+    the config and Triton's presence only) names the batch-invariant Triton kernels, bitwise;
+    off by default; refused at tp 2 (the shards do not take them) and for float64."""
+    from ddtree.config import ModelPairConfig
+    from ddtree.engine import KernelsUnavailable, check_kernels
+
+    backends = check_kernels(ModelPairConfig(deterministic=True, device="cuda", dtype="bfloat16"))
+    assert backends.as_dict() == {"linear": "invariant_mm", "attention": "paged_invariant", "bitwise": True,
+                                  "reason": None}
+    assert backends.triton_invariant
+    default = check_kernels(ModelPairConfig(device="cuda", dtype="bfloat16"))
+    assert not default.bitwise and not default.triton_invariant
+    with pytest.raises(KernelsUnavailable, match="tp: 1"):
+        check_kernels(ModelPairConfig(deterministic=True, device="cuda", tp=2))
+    with pytest.raises(KernelsUnavailable, match="float64"):
+        check_kernels(ModelPairConfig(deterministic=True, device="cuda", dtype="float64"))
+
+
+# --- a tiny model's forward on the route CUDA takes --------------------------------------------
+
+
+def triton_route_on_cpu(monkeypatch) -> None:
+    """CPU tensors take the Triton route CUDA tensors take (`use_triton` where the model and the
+    tree ops dispatch): the kernels then run under the interpreter."""
+    from ddtree.workers import model as model_module
+
+    monkeypatch.setattr(model_module, "use_triton", lambda t: True)
+    monkeypatch.setattr(batched, "use_triton", lambda t: True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_tiny_models_rows_are_bitwise_their_lone_runs(tmp_path, monkeypatch, dtype):
+    """A tiny qwen3 target with its batch-invariant kernels on (linears, norms and the paged
+    attention on the Triton route, as `deterministic: true` runs on CUDA): a prefill of two
+    70-token prompts (a block longer than ATTENTION_MAX_ROWS, which takes the kernel too) and
+    verify blocks of trees of 17, 1 and 5 nodes padded to one Q give each row's logits bitwise
+    as the same sequence run alone, at its own Q; and within rounding the model's default route
+    (the same weights and cache through torch)."""
+    if DEVICE != "cpu":
+        pytest.skip("routes CPU tensors to the kernels; on CUDA the model takes the route itself")
+    from ddtree.workers.kv_pool import KVStorage, PageAllocator, PagedView
+    from ddtree.workers.loading import load_target_weights
+    from ddtree.workers.model import TreeBits
+
+    from .helpers import make_hf_model
+
+    make_hf_model("qwen3", 97, layers=2, hidden_size=72, intermediate_size=136, head_dim=16).save_pretrained(tmp_path)
+    target = load_target_weights(tmp_path, dtype)
+    target.use_batch_invariant_kernels()
+    triton_route_on_cpu(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    pages = PageAllocator(tokens=512, page=8)
+    pages._free.reverse()  # high page ids first: the tables are not contiguous
+    storage = KVStorage(target.config, pages.num_pages, 8, dtype)
+    tables = [[], [], []]
+    for table in tables:
+        pages.grow(table, 70 + 33)  # the longest context and the widest block
+
+    # prefill: sequences 0 and 1 together, then each alone (writing the same keys and values)
+    prompts = torch.randint(0, 97, (2, 70), generator=g)
+    positions = torch.arange(70)[None].expand(2, -1)
+    assert PagedView(storage.batch(tables[:2], [0, 0]), target.prefill_mask(70), 70, batch_invariant=True).kernel
+    both = target(prompts, positions, target.prefill_mask(70), storage.batch(tables[:2], [0, 0])).logits
+    for i in range(2):
+        lone = target(prompts[i : i + 1], positions[:1], target.prefill_mask(70), storage.batch([tables[i]], [0]))
+        assert torch.equal(both[i], lone.logits[0]), f"prefill of sequence {i}"
+    target(torch.randint(0, 97, (1, 9), generator=g), torch.arange(9)[None], target.prefill_mask(9),
+           storage.batch([tables[2]], [0]))
+
+    # verify: trees of 17, 1 and 5 nodes over contexts of 70, 70 and 9
+    lengths = [70, 70, 9]
+    trees = [random_tree(17, 1), Tree.root_only(5), random_tree(5, 2)]
+
+    def forward(which: list[int], q_len: int):
+        batch = TreeBatch.of([trees[i] for i in which], q_len)
+        meta = batched.tree_metadata_ref(batch, torch.tensor([lengths[i] for i in which]))
+        return target(batch.tokens, meta.positions, TreeBits(meta.bits, batch.sizes),
+                      storage.batch([tables[i] for i in which], [lengths[i] for i in which])).logits
+
+    alone = [forward([i], trees[i].size)[0] for i in range(3)]
+    for which, q_len in (([0, 1, 2], 17), ([2, 1], 5), ([1, 0], 33)):
+        got = forward(which, q_len)
+        for row, i in enumerate(which):
+            size = trees[i].size
+            assert torch.equal(got[row, :size], alone[i][:size]), f"sequence {i} in {which} at Q {q_len}"
+
+    # the kernels compute the model: the default route over the same cache within rounding
+    target.use_batch_invariant_kernels(False)
+    monkeypatch.undo()
+    default = forward([0, 1, 2], 17)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for row in range(3):
+        size = trees[row].size
+        torch.testing.assert_close(alone[row][:size].float(), default[row, :size].float(), atol=tol, rtol=tol)

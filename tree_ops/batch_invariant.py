@@ -29,6 +29,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .batched import paged_tree_attention_ref
+from .tree_batch import pack_bits
+from .triton_kernels import paged_tree_attention_triton
 from .triton_support import next_pow2
 
 # One tile shape for every call, whatever its rows: a row's products and their order depend on
@@ -166,3 +169,122 @@ def invariant_rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) ->
     if x.dtype in (torch.float16, torch.bfloat16):
         return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
     return F.rms_norm(x, x.shape[-1:], weight, eps)
+
+
+# --- a check for a GPU run (benchmarks/gpu_check.py calls it) ------------------------------------
+
+
+def _rows_bitwise(call, x: torch.Tensor, counts: tuple[int, ...]) -> bool:
+    """call(x[:m]) row r == call(x[r:r+1]) bitwise for every m in counts, r < m."""
+    lone = torch.cat([call(x[r : r + 1]) for r in range(max(counts))])
+    return all(torch.equal(call(x[:m]), lone[:m]) for m in counts)
+
+
+def _ms(fn, repeats: int = 20) -> float:
+    """Milliseconds per call of fn on CUDA (events around `repeats` calls, after a warm-up)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def _chain_attention(seq_lengths: list[int], q_len: int, page: int, heads: int, kv_heads: int, head_dim: int,
+                     dtype, device, seed: int):
+    """A paged pool holding sequences of `seq_lengths` committed positions, each with a chain
+    block of up to q_len rows: (call(which, rows, batch_invariant), reference(which)) over any
+    subset, at any block length `rows` <= q_len (a chain's row i is the same at any length > i)."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-(n + q_len) // page) for n in seq_lengths]
+    ids = torch.randperm(sum(need), generator=g)
+    pages = list(ids.split(need))
+    k_pool = torch.randn(sum(need) * page, kv_heads, head_dim, generator=g).to(dtype).to(device)
+    v_pool = torch.randn(sum(need) * page, kv_heads, head_dim, generator=g).to(dtype).to(device)
+    q_rows = torch.randn(len(seq_lengths), heads, q_len, head_dim, generator=g).to(dtype).to(device)
+
+    def inputs(which, rows=q_len):
+        table = torch.zeros(len(which), max(need[i] for i in which), dtype=torch.int64)
+        for row, i in enumerate(which):
+            table[row, : need[i]] = pages[i]
+        lengths = torch.tensor([seq_lengths[i] for i in which])
+        bits = pack_chain_bits(rows).expand(len(which), -1, -1).contiguous()
+        return q_rows[which, :, :rows].contiguous(), table.to(device), lengths.to(device), bits.to(device)
+
+    def call(which, rows=q_len, batch_invariant=True):
+        q, table, lengths, bits = inputs(which, rows)
+        return paged_tree_attention_triton(q, k_pool, v_pool, table, lengths, bits, page,
+                                           batch_invariant=batch_invariant)
+
+    def reference(which):
+        q, table, lengths, bits = inputs(which)
+        return paged_tree_attention_ref(q.float(), k_pool.float(), v_pool.float(), table, lengths, bits, page)
+
+    return call, reference
+
+
+def pack_chain_bits(q_len: int) -> torch.Tensor:
+    """[1, Q, W] int32 mask bits of a causal chain block (row i sees rows 0 ... i)."""
+    return pack_bits(torch.ones(q_len, q_len, dtype=torch.bool).tril()[None])
+
+
+def deterministic_check(device: str = "cuda", dtype: torch.dtype = torch.bfloat16, hidden: int = 4096,
+                        intermediate: int = 12288, head_dim: int = 128, heads: int = 32, kv_heads: int = 8,
+                        row_counts: tuple[int, ...] = (1, 2, 7, 17, 65), contexts: tuple[int, ...] = (3000, 40, 700, 0),
+                        timed_rows: tuple[int, ...] = (1, 17, 65, 1040), seed: int = 0) -> dict:
+    """Batch invariance of the `deterministic: true` kernels on `device`, compiled, at a
+    target's shapes (default: Qwen3-8B's), as a JSON-able dict:
+
+    - "linear", "rms_norm": {"rows_bitwise": row r of every m-row call (m in row_counts) equals
+      the 1-row call, "max_abs_err": against the torch reference}; "linear" also
+      "cublas_rows_bitwise", the same check of F.linear (cuBLAS: expected false somewhere);
+    - "attention": the paged kernel with batch_invariant over sequences of `contexts` committed
+      positions (crossing INVARIANT_SPLIT_KEYS) with 17-row chain blocks, each sequence alone
+      vs together, and its first row alone in a 1-row block (Q 1, as plain decoding):
+      "rows_bitwise", "max_abs_err", and "default_rows_bitwise" (the same without
+      batch_invariant, where the row tile follows Q and the split count the batch);
+    - "linear_ms" (CUDA only): {rows: {"invariant": ms, "cublas": ms}} for the
+      hidden -> intermediate GEMM at `timed_rows` rows -- the cost of the mode;
+    - "ok": every "rows_bitwise" true.
+
+    On the CPU under TRITON_INTERPRET=1 it runs too (small shapes, fp16: tests)."""
+    g = torch.Generator().manual_seed(seed)
+    m = max(row_counts)
+    x = torch.randn(m, hidden, generator=g).to(dtype).to(device)
+    w = (torch.randn(intermediate, hidden, generator=g) / hidden**0.5).to(dtype).to(device)
+    out: dict = {"device": torch.cuda.get_device_name() if device == "cuda" else device,
+                 "dtype": str(dtype).removeprefix("torch.")}
+    out["linear"] = {
+        "rows_bitwise": _rows_bitwise(lambda rows: invariant_linear(rows, w), x, row_counts),
+        "max_abs_err": float((invariant_linear(x, w).float() - invariant_linear_ref(x, w).float()).abs().max()),
+        "cublas_rows_bitwise": _rows_bitwise(lambda rows: F.linear(rows, w), x, row_counts),
+    }
+    norm_w = torch.randn(hidden, generator=g).to(dtype).to(device)
+    out["rms_norm"] = {
+        "rows_bitwise": _rows_bitwise(lambda rows: invariant_rms_norm(rows, norm_w, 1e-6), x, row_counts),
+        "max_abs_err": float((invariant_rms_norm(x, norm_w, 1e-6).float()
+                              - invariant_rms_norm_ref(x, norm_w, 1e-6).float()).abs().max()),
+    }
+    call, reference = _chain_attention(list(contexts), 17, 16, heads, kv_heads, head_dim, dtype, device, seed)
+    together = list(range(len(contexts)))
+
+    def alone_and_together(invariant: bool) -> bool:
+        both = call(together, batch_invariant=invariant)
+        return all(torch.equal(both[i], call([i], batch_invariant=invariant)[0])
+                   and torch.equal(both[i, :, :1], call([i], 1, batch_invariant=invariant)[0]) for i in together)
+
+    out["attention"] = {
+        "rows_bitwise": alone_and_together(True),
+        "max_abs_err": float((call(together).float().cpu() - reference(together).cpu()).abs().max()),
+        "default_rows_bitwise": alone_and_together(False),
+    }
+    if device == "cuda":
+        out["linear_ms"] = {}
+        for rows in timed_rows:
+            a = torch.randn(rows, hidden, generator=g).to(dtype).to(device)
+            out["linear_ms"][rows] = {"invariant": _ms(lambda: invariant_linear(a, w)), "cublas": _ms(lambda: F.linear(a, w))}
+    out["ok"] = all(out[k]["rows_bitwise"] for k in ("linear", "rms_norm", "attention"))
+    return out
