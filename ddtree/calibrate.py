@@ -38,10 +38,12 @@ logger = logging.getLogger("ddtree")
 def machine_key(engine, counts: list[int]) -> str:
     cpu = platform.processor() or platform.machine()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu:{cpu}:{torch.get_num_threads()}t"
+    backends = getattr(engine, "backends", None)
+    invariant = "+batch-invariant" if backends is not None and backends.triton_invariant else ""  # deterministic on CUDA
     # v4: each count the least of shuffled rounds. v2 and v3 (the median of rotated rounds) are both
     # taken: a build that briefly named its curves v3 cached one with T(1) 71 ms on a 34 ms machine
     raw = json.dumps([str(engine.target.directory), engine.config.dtype, engine.config.weights, engine.config.tp,
-                      counts, device, torch.__version__, linear_route(), "step-cost-v4"])
+                      counts, device, torch.__version__, linear_route() + invariant, "step-cost-v4"])
     return hashlib.sha256(raw.encode()).hexdigest()[:20]
 
 

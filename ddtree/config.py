@@ -106,11 +106,14 @@ class ModelPairConfig(BaseModel):
         "auto", description="Where the models run: 'auto' = CUDA when a GPU is visible, else CPU."
     )
     deterministic: bool = Field(
-        False, description="Refuse to start unless ddtree's bitwise CPU kernels run the target's linears and "
-        "attention (float32 on the CPU, the library built by `ddtree build-kernels` or `make install`): then a "
-        "tree node's logits are bitwise plain decoding's and no near-tie breaks differently. False = where "
-        "they cannot run, fall back to oneDNN and SDPA and say so at start-up, in /health and in the "
-        "ddtree_kernel_backend_info metric (docs/cpu-kernels.md)."
+        False, description="Run the target's forward batch-invariant -- a row's logits bitwise the same "
+        "whatever rows share its step, so a tree node's logits are plain decoding's and no near-tie breaks "
+        "differently -- or refuse to start. On the CPU: ddtree's bitwise CPU kernels (float32, the library "
+        "built by `ddtree build-kernels` or `make install`). On CUDA: the batch-invariant Triton kernels "
+        "(fixed-tile GEMM without split-K, fixed-order RMSNorm, paged attention with fixed splits; float32 or "
+        "bfloat16, tp 1), at a cost not yet measured (docs/gpu.md). False = the default kernels "
+        "(on the CPU, where ddtree's cannot run, oneDNN and SDPA, said at start-up, in /health and in the "
+        "ddtree_kernel_backend_info metric; docs/cpu-kernels.md)."
     )
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra variables for the chat template, as vLLM's `chat_template_kwargs` "

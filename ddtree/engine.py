@@ -100,23 +100,31 @@ def batch_limits(config: ModelPairConfig, model: ModelConfig, dtype: torch.dtype
 
 
 class KernelsUnavailable(RuntimeError):
-    """`deterministic: true` and ddtree's bitwise CPU kernels cannot run the target here."""
+    """`deterministic: true` and no batch-invariant kernels can run the target here."""
 
 
 def check_kernels(config: ModelPairConfig) -> KernelBackends:
     """The backends this process runs the target's linears and attention through, said in the
     log: the bitwise kernels, or the fallback and why. KernelsUnavailable instead of a fallback
-    when the config asks for `deterministic`. (At tp > 1 the TargetShard actors load the build of
-    their own machine; this checks the engine's.)"""
-    backends = kernel_backends(getattr(torch, config.dtype), device(config), config.weights)
+    when the config asks for `deterministic`. On CUDA, `deterministic` selects the batch-invariant
+    Triton kernels (tp 1 only: the TargetShard actors do not take them). (At tp > 1 on the CPU
+    the TargetShard actors load the build of their own machine; this checks the engine's.)"""
+    on_cuda = device(config).type == "cuda"
+    if config.deterministic and on_cuda and config.tp > 1:
+        raise KernelsUnavailable(
+            "deterministic: true on CUDA runs the batch-invariant Triton kernels in the in-process engine (tp 1); "
+            "the tensor-parallel shards do not take them. Set tp: 1, or deterministic: false (docs/gpu.md)")
+    backends = kernel_backends(getattr(torch, config.dtype), device(config), config.weights,
+                               batch_invariant=config.deterministic)
     if backends.bitwise:
-        logger.info("ddtree engine: linears %s, attention %s (ddtree_cpu: bitwise, batch-invariant)",
-                    backends.linear, backends.attention)
+        logger.info("ddtree engine: linears %s, attention %s (%s: bitwise, batch-invariant)", backends.linear,
+                    backends.attention, "Triton" if backends.triton_invariant else "ddtree_cpu")
     elif config.deterministic:
         raise KernelsUnavailable(
-            f"deterministic: true needs ddtree's bitwise CPU kernels for the target's linears and attention; here "
+            f"deterministic: true needs batch-invariant kernels for the target's linears and attention (ddtree's "
+            f"bitwise CPU kernels, or on CUDA the batch-invariant Triton kernels); here "
             f"they would run through {backends.linear} and {backends.attention}: {backends.reason}. Or set "
-            f"deterministic: false to serve through that fallback (docs/cpu-kernels.md)")
+            f"deterministic: false to serve through that fallback (docs/cpu-kernels.md, docs/gpu.md)")
     else:  # a warning where the kernels would serve (fp32 on the CPU) but cannot
         fp32_cpu = config.dtype == "float32" and device(config).type == "cpu"
         logger.log(logging.WARNING if fp32_cpu else logging.INFO,
@@ -176,6 +184,8 @@ class Engine:
                 raise ValueError("weights='native' runs on CPU: set device 'cpu', or weights 'float' for the GPU")
             target = load_target(config.model, dtype, config.weights)
             target.model.to(device(config))
+            if backends.triton_invariant:
+                target.model.use_batch_invariant_kernels()
             drafter = (
                 DFlashDrafter.load(drafter_path, target.model)
                 if drafter_path

@@ -78,11 +78,14 @@ def tree_attention_ref(q, k, v, prefix: torch.Tensor, bits: torch.Tensor) -> tor
 
 
 def paged_tree_attention(q, k_pool, v_pool, table: torch.Tensor, lengths: torch.Tensor, bits: torch.Tensor,
-                         page: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+                         page: int, rows: torch.Tensor | None = None, batch_invariant: bool = False) -> torch.Tensor:
+    """`batch_invariant`: the kernel's tiles and splits fixed whatever the batch (the reference
+    ignores it)."""
     if use_triton(q) and q.shape[-1] in ATTENTION_HEAD_DIMS:
         from .triton_kernels import paged_tree_attention_triton
 
-        return paged_tree_attention_triton(q, k_pool, v_pool, table, lengths, bits, page, rows)
+        return paged_tree_attention_triton(q, k_pool, v_pool, table, lengths, bits, page, rows,
+                                           batch_invariant=batch_invariant)
     return paged_tree_attention_ref(q, k_pool, v_pool, table, lengths, bits, page, rows)
 
 

@@ -280,6 +280,7 @@ def _combine_splits_kernel(
 
 PAGED_SPLIT_MIN_KEYS = 256  # a split covers at least this many keys (fewer leave its program mostly launch cost)
 PAGED_TARGET_PROGRAMS = 264  # splits are added until a call has about this many programs (2 per SM of an H100)
+INVARIANT_SPLIT_KEYS = 512  # batch_invariant: each sequence's keys split every this many positions, whatever the batch
 
 
 def paged_split_keys(max_keys: int, programs: int, block_n: int) -> int:
@@ -294,13 +295,18 @@ def paged_split_keys(max_keys: int, programs: int, block_n: int) -> int:
 
 def paged_tree_attention_triton(q, k_pool, v_pool, table: torch.Tensor, lengths: torch.Tensor, bits: torch.Tensor,
                                 page: int, rows: torch.Tensor | None = None, split_keys: int | None = None,
-                                block_n: int = 32):
+                                block_n: int = 32, batch_invariant: bool = False):
     """q [B, Hq, Q, D]; k_pool, v_pool [T, Hkv, D] (one layer of the pool, the block's keys
     already written at positions lengths[b] + j); table [B, P] page ids covering positions
     [0, lengths[b] + Q); lengths [B]; bits [B, Q, W] int32; rows [B] real rows per block (the
     rest padding) or None (every row real) -> [B, Hq, Q, D]. Reads nothing back to the host:
     the grid follows the shapes alone. `split_keys` (a multiple of block_n) fixes the keys per
-    split; by default paged_split_keys picks it."""
+    split; by default paged_split_keys picks it from the call's programs (so from the batch).
+    `batch_invariant` (`deterministic: true`): the row tile is the widest for the head width
+    whatever Q, and the keys per split INVARIANT_SPLIT_KEYS unless given, so a sequence's splits
+    and each row's arithmetic are the same whatever the batch, its Q and its block tables'
+    width (a split past a sequence's end weighs exactly 0 in the combine, and one split's
+    combined output is its own)."""
     b, hq, q_len, d = q.shape
     t, hkv = k_pool.shape[:2]
     assert k_pool.shape == (t, hkv, d) and v_pool.shape == k_pool.shape and hq % hkv == 0
@@ -310,11 +316,12 @@ def paged_tree_attention_triton(q, k_pool, v_pool, table: torch.Tensor, lengths:
     assert d in ATTENTION_HEAD_DIMS, f"head_dim {d} is not a supported tile width"
     assert q.stride(3) == k_pool.stride(2) == v_pool.stride(2) == 1 and bits.stride(2) == 1 and table.stride(1) == 1
     group = hq // hkv
-    block_m = min(64 if d <= 128 else 32, max(16, next_pow2(q_len * group)))  # (row, head) pairs a tile
+    widest = 64 if d <= 128 else 32
+    block_m = widest if batch_invariant else min(widest, max(16, next_pow2(q_len * group)))  # (row, head) pairs a tile
     tiles = triton.cdiv(q_len * group, block_m)
     max_keys = table.shape[1] * page
     if split_keys is None:
-        split_keys = paged_split_keys(max_keys, tiles * b * hkv, block_n)
+        split_keys = INVARIANT_SPLIT_KEYS if batch_invariant else paged_split_keys(max_keys, tiles * b * hkv, block_n)
     assert split_keys % block_n == 0 and split_keys > 0
     splits = max(1, triton.cdiv(max_keys, split_keys))
     out = torch.empty_like(q)

@@ -147,31 +147,35 @@ class PagedBatch:
     tables: list[list[int]]  # per row: its pages, covering lengths[b] + Q positions
     lengths: torch.Tensor  # [B] int64, committed positions per row; the block starts there
 
-    def bind(self, block_mask, q_len: int, rows: torch.Tensor | None = None) -> "PagedView":
-        return PagedView(self, block_mask, q_len, rows)
+    def bind(self, block_mask, q_len: int, rows: torch.Tensor | None = None,
+             batch_invariant: bool = False) -> "PagedView":
+        return PagedView(self, block_mask, q_len, rows, batch_invariant)
 
 
 class PagedView:
     """A PagedBatch bound to one forward. The block's keys and values go to the pool at
     positions lengths[b] ... + Q - 1; then each row attends over its context and block, by one
     of three routes:
-    - on CUDA (blocks of up to ATTENTION_MAX_ROWS rows, head widths the kernel tiles), the
-      paged tree-attention kernel reads the pool in place through the block tables, with the
+    - on CUDA (blocks of up to ATTENTION_MAX_ROWS rows, or any block when `batch_invariant`;
+      head widths the kernel tiles), the paged tree-attention kernel reads the pool in place through the block tables, with the
       lengths and the mask bits on the device: no gathered copy, nothing read back to the host;
     - on the CPU in fp32, ddtree_cpu.tree_attention reads the pool in place by slot offsets;
     - otherwise each row reads positions [0, span) back from the pool (span = the longest row's
       lengths + Q; a shorter row's tail is masked), the layout of a dense cache row, and the
       dense attention runs over it under a [B, 1, Q, span] mask (kernels' `slot_mask`)."""
 
-    def __init__(self, batch: PagedBatch, block_mask, q_len: int, rows: torch.Tensor | None = None):
+    def __init__(self, batch: PagedBatch, block_mask, q_len: int, rows: torch.Tensor | None = None,
+                 batch_invariant: bool = False):
         pool, lengths = batch.pool, batch.lengths
         self.rows = rows  # [B] real block rows per sequence (workers.model.Packing), or None
+        # the kernel's tiles and splits fixed whatever the batch; every block on the kernel route
+        self.batch_invariant = batch_invariant
         dev = lengths.device
         self.pool, self.lengths = pool, lengths
         self.table = block_table(batch.tables, dev)  # [B, P] page ids
         block = lengths[:, None] + torch.arange(q_len, device=dev)  # [B, Q] the block's positions
         self.write_slots = (self.table.gather(1, block // pool.page) * pool.page + block % pool.page).view(-1)
-        self.kernel = uses_paged_kernel(pool.k, q_len)
+        self.kernel = uses_paged_kernel(pool.k, q_len, batch_invariant)
         self.cpu = not self.kernel and cpu_attention(pool.k, q_len)
         # the CPU kernel attends the real rows of a packed forward as they are (`attend_rows`)
         self.packs = self.cpu and rows is not None
@@ -202,7 +206,7 @@ class PagedView:
         pool_v.index_copy_(0, self.write_slots, v.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(pool_v.dtype))
         if self.kernel:
             return paged_tree_attention(q, pool_k, pool_v, self.table, self.lengths, self.bits, self.pool.page,
-                                        self.kernel_rows)
+                                        self.kernel_rows, self.batch_invariant)
         if self.cpu:
             return torch.ops.ddtree_cpu.tree_attention(q, pool_k, pool_v, self.offsets, kv_heads, head_dim, self.lengths,
                                                        self.mask, 1.0 / math.sqrt(head_dim), self.rows)

@@ -23,7 +23,7 @@ from ..config import GREEDY
 from ..kernels.batched import sampled_choices, tree_attention
 from ..kernels.sampling import RowSampling, choose_tokens, is_greedy, processed_probs_rows
 from ..kernels.tree_batch import unpack_bits
-from ..kernels.triton_support import ATTENTION_HEAD_DIMS, use_triton
+from ..kernels.triton_support import ATTENTION_HEAD_DIMS, triton_available, use_triton
 from . import cpu_kernels
 
 FAMILIES = ("llama", "qwen3")
@@ -236,12 +236,18 @@ def rope_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 
 class RMSNorm(nn.Module):
+    batch_invariant = False  # the batch-invariant Triton norm where Triton serves (TargetModel.use_batch_invariant_kernels)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if invariant_route(self.batch_invariant, x):
+            from ..kernels.batch_invariant import invariant_rms_norm
+
+            return invariant_rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         if dtype in (torch.float16, torch.bfloat16):  # normalise in fp32, as the reference does
             return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(dtype)
@@ -252,7 +258,7 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + r, this norm of it): a residual add and the norm after it, one op where
         `row_ops` serves."""
-        if row_ops(x, r, self.weight):
+        if row_ops(x, r, self.weight) and not invariant_route(self.batch_invariant, x):
             return torch.ops.ddtree_cpu.add_rms_norm(x, r, self.weight, self.eps)
         x = x + r
         return x, self(x)
@@ -278,14 +284,28 @@ def row_ops(*tensors: torch.Tensor) -> bool:
     return not torch.is_grad_enabled() and fp32_route() == "float_mm"
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; for float32 on the CPU, ddtree's own GEMM (workers/cpu_kernels/gemm.cpp, float_mm), else
+def invariant_route(batch_invariant: bool, x: torch.Tensor) -> bool:
+    """Whether a layer set `batch_invariant` (`deterministic: true` on the GPU) computes `x`
+    through the batch-invariant Triton kernels (kernels.batch_invariant): where the Triton route
+    serves (`use_triton`: CUDA tensors), without gradients (the kernels have no backward)."""
+    return batch_invariant and use_triton(x) and not torch.is_grad_enabled()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           batch_invariant: bool = False) -> torch.Tensor:
+    """F.linear; with `batch_invariant` where `invariant_route` serves, the fixed-tile Triton
+    GEMM (kernels.batch_invariant.invariant_linear: no split-K, a row's result whatever the row
+    count). For float32 on the CPU, ddtree's own GEMM (workers/cpu_kernels/gemm.cpp, float_mm), else
     oneDNN where the kernel cannot be built. Measured on this 2-core AVX2 machine over SmolLM2's
     matrices: the kernel takes 0.6x oneDNN's time at 1 row and ~0.5x at 9-17 (oneDNN: 0.73x
     MKL's F.linear, whose small-row GEMMs are slow here; benchmarks/verify_cost.py --linear), and
     it is batch-invariant: a row's output is bitwise the same whichever rows come with it, so a
     tree's verify rows compute exactly what plain decoding computes. With gradients on
     (training a drafter through the target's head) it is F.linear."""
+    if invariant_route(batch_invariant, x):
+        from ..kernels.batch_invariant import invariant_linear
+
+        return invariant_linear(x, weight, bias)
     if (x.dtype == torch.float32 and x.device.type == "cpu" and weight.dtype == torch.float32
             and not torch.is_grad_enabled()):  # the C++ and oneDNN ops have no backward
         route = fp32_route()
@@ -332,33 +352,58 @@ def cpu_attention(keys: torch.Tensor, q_len: int) -> bool:
             and q_len <= ATTENTION_MAX_ROWS and keys.shape[-1] % 8 == 0 and cpu_kernels.float_kernel())
 
 
-BITWISE_LINEARS = ("float_mm", "blocks_mm")  # ddtree_cpu's GEMMs: a row's output whatever rows come with it
+INVARIANT_LINEAR = "invariant_mm"  # kernels.batch_invariant's Triton GEMM (`deterministic: true` on CUDA)
+INVARIANT_ATTENTION = "paged_invariant"  # the paged tree-attention kernel with its tiles and splits fixed
+BITWISE_LINEARS = ("float_mm", "blocks_mm", INVARIANT_LINEAR)  # a row's output whatever rows come with it
+BITWISE_ATTENTION = ("tree_attention", INVARIANT_ATTENTION)
 
 
 @dataclass(frozen=True)
 class KernelBackends:
     """Which ops run a target's linears and its attention over the cache in this process (the
     engine says it at start-up, in /health and in the ddtree_kernel_backend_info metric). With
-    ddtree_cpu's GEMMs and tree attention a tree node's logits are bitwise plain decoding's; any
-    other backend moves rows with the row count, so near-ties can break differently
+    ddtree_cpu's GEMMs and tree attention (or, on CUDA with `deterministic: true`, the
+    batch-invariant Triton kernels) a tree node's logits are bitwise plain decoding's; any other
+    backend moves rows with the row count, so near-ties can break differently
     (docs/cpu-kernels.md, "Numerics")."""
 
-    linear: str  # "float_mm" / "blocks_mm" (ddtree_cpu), "onednn" (fp32 fallback) or "torch" (F.linear)
-    attention: str  # "tree_attention" (ddtree_cpu) or "sdpa" (torch's; Triton's kernel on CUDA)
-    reason: str | None  # why ddtree_cpu's kernels do not run both, None when they do
+    # "float_mm" / "blocks_mm" (ddtree_cpu), "invariant_mm" (Triton, CUDA), "onednn" (fp32 fallback) or "torch" (F.linear)
+    linear: str
+    # "tree_attention" (ddtree_cpu), "paged_invariant" (Triton, CUDA) or "sdpa" (torch's; Triton's kernel on CUDA)
+    attention: str
+    reason: str | None  # why batch-invariant kernels do not run both, None when they do
 
     @property
     def bitwise(self) -> bool:
-        return self.linear in BITWISE_LINEARS and self.attention == "tree_attention"
+        return self.linear in BITWISE_LINEARS and self.attention in BITWISE_ATTENTION
+
+    @property
+    def triton_invariant(self) -> bool:
+        """Whether the target runs kernels.batch_invariant's Triton kernels
+        (TargetModel.use_batch_invariant_kernels)."""
+        return self.linear == INVARIANT_LINEAR
 
     def as_dict(self) -> dict:
         return {"linear": self.linear, "attention": self.attention, "bitwise": self.bitwise, "reason": self.reason}
 
 
-def kernel_backends(dtype: torch.dtype, device: torch.device | str, weights: str = "float") -> KernelBackends:
+INVARIANT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what the batch-invariant Triton kernels take
+
+
+def kernel_backends(dtype: torch.dtype, device: torch.device | str, weights: str = "float",
+                    batch_invariant: bool = False) -> KernelBackends:
     """The backends a target of `dtype` on `device` runs here (weights "native": GGUF blocks
     through blocks_mm). ddtree_cpu serves fp32 on the CPU when its library is built and loads
-    (workers.cpu_kernels), under LINEAR_BACKEND and ATTENTION_BACKEND "ddtree"."""
+    (workers.cpu_kernels), under LINEAR_BACKEND and ATTENTION_BACKEND "ddtree". On CUDA with
+    `batch_invariant` (`deterministic: true`), the batch-invariant Triton kernels serve fp32,
+    fp16 and bf16 where Triton is installed."""
+    if torch.device(device).type == "cuda" and batch_invariant:
+        if not triton_available():
+            return KernelBackends("torch", "sdpa", "Triton is not installed: the batch-invariant GPU kernels are Triton's")
+        if dtype not in INVARIANT_DTYPES:
+            return KernelBackends("torch", "sdpa", f"the target is {str(dtype).removeprefix('torch.')}: the "
+                                  "batch-invariant GPU kernels take float32, float16 and bfloat16")
+        return KernelBackends(INVARIANT_LINEAR, INVARIANT_ATTENTION, None)
     if torch.device(device).type != "cpu":
         return KernelBackends("torch", "sdpa", f"the target runs on {torch.device(device).type}: ddtree_cpu serves the CPU")
     if dtype != torch.float32:
@@ -367,7 +412,7 @@ def kernel_backends(dtype: torch.dtype, device: torch.device | str, weights: str
     linear = "blocks_mm" if weights == "native" and route == "float_mm" else route
     attention = "tree_attention" if ATTENTION_BACKEND == "ddtree" and cpu_kernels.float_kernel() else "sdpa"
     reason = cpu_kernels.unavailable_reason()
-    if reason is None and (linear not in BITWISE_LINEARS or attention != "tree_attention"):
+    if reason is None and (linear not in BITWISE_LINEARS or attention not in BITWISE_ATTENTION):
         reason = f"LINEAR_BACKEND {LINEAR_BACKEND!r}, ATTENTION_BACKEND {ATTENTION_BACKEND!r}"
     return KernelBackends(linear, attention, reason)
 
@@ -430,8 +475,10 @@ def packs_rows(device: torch.device) -> bool:
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same checkpoint names) computing through `linear`."""
 
+    batch_invariant = False  # the batch-invariant Triton GEMM where Triton serves (TargetModel.use_batch_invariant_kernels)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.batch_invariant)
 
     def select_rows(self, rows: torch.Tensor) -> "Linear":
         """A copy holding output rows `rows` only (a draft vocabulary's slice of an LM head)."""
@@ -466,7 +513,7 @@ class FusedLinears:
             return tuple(layer(x) for layer in self.layers)
         if not self._fused():
             self._fuse()
-        return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return linear(x, self.weight, self.bias, self.layers[0].batch_invariant).split(self.sizes, dim=-1)
 
     def _fused(self) -> bool:
         """Whether every layer's weight is still the view of `weight` it was made."""
@@ -553,7 +600,10 @@ class KVCache:
     def slots(self) -> int:
         return self.k.shape[3]
 
-    def bind(self, block_mask, q_len: int, rows: torch.Tensor | None = None) -> "DenseView":
+    def bind(self, block_mask, q_len: int, rows: torch.Tensor | None = None,
+             batch_invariant: bool = False) -> "DenseView":
+        """(`batch_invariant` changes nothing here: the dense tree-attention kernel's tiles are
+        fixed and it does not split; a bool mask on CUDA runs SDPA.)"""
         return DenseView(self, block_mask, q_len, rows)
 
 
@@ -621,12 +671,14 @@ def uses_kernel(block_mask, keys: torch.Tensor) -> bool:
     return isinstance(block_mask, TreeBits) and use_triton(keys)
 
 
-def uses_paged_kernel(pool_keys: torch.Tensor, q_len: int) -> bool:
+def uses_paged_kernel(pool_keys: torch.Tensor, q_len: int, batch_invariant: bool = False) -> bool:
     """Whether a paged pool's block attends through the paged tree-attention kernel (reading
     the pool in place through the block tables): the pool is on CUDA, the block is a decode or
-    verify step (<= ATTENTION_MAX_ROWS rows; longer prefill chunks gather and run SDPA), and
-    the head width is one the kernel tiles."""
-    return use_triton(pool_keys) and q_len <= ATTENTION_MAX_ROWS and pool_keys.shape[-1] in ATTENTION_HEAD_DIMS
+    verify step (<= ATTENTION_MAX_ROWS rows; longer prefill chunks gather and run SDPA, unless
+    `batch_invariant`: then every block, so that a prompt's keys and values do not depend on
+    which prompts were prefilled beside it), and the head width is one the kernel tiles."""
+    return (use_triton(pool_keys) and (q_len <= ATTENTION_MAX_ROWS or batch_invariant)
+            and pool_keys.shape[-1] in ATTENTION_HEAD_DIMS)
 
 
 def block_attention(block_mask, lengths: torch.Tensor, span: int, kernel: bool):
@@ -817,6 +869,23 @@ class TargetModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
 
+    batch_invariant = False  # use_batch_invariant_kernels
+
+    def use_batch_invariant_kernels(self, on: bool = True) -> "TargetModel":
+        """Routes the linears (q/k/v/o, the MLP's, the LM head), the norms and the paged
+        attention through the batch-invariant Triton kernels wherever the Triton route serves
+        (CUDA tensors; `deterministic: true` on the GPU): a row's logits are then bitwise the
+        same whatever rows share its forward. (On the CPU ddtree_cpu's kernels are batch-invariant
+        already.) Attention through the pool needs a head width the paged kernel tiles."""
+        if on and self.config.head_dim not in ATTENTION_HEAD_DIMS:
+            raise ValueError(f"batch-invariant kernels need a head width in {ATTENTION_HEAD_DIMS} (the paged "
+                             f"tree-attention kernel's tiles); this model's is {self.config.head_dim}")
+        self.batch_invariant = on
+        for module in self.modules():
+            if isinstance(module, (Linear, RMSNorm)):
+                module.batch_invariant = on
+        return self
+
     def _apply(self, fn, recurse=True):
         """.to() / .cuda() also move the float64 rotary frequencies (a plain attribute, so that
         dtype casts leave them float64)."""
@@ -868,7 +937,7 @@ class TargetModel(nn.Module):
             if logits_to_keep:
                 raise ValueError("a packed forward keeps every real row's logits (logits_to_keep 0)")
             packing = Packing.of(rows.to(tokens.device), q_len)
-        view = cache.bind(block_mask, q_len, None if packing is None else packing.rows)
+        view = cache.bind(block_mask, q_len, None if packing is None else packing.rows, self.batch_invariant)
         # [B, Q, 1, D] (packed: [N, 1, D]): broadcast over the heads
         cos, sin = (t[0].transpose(0, 1) if packing is not None else t.transpose(1, 2) for t in rope_cos_sin(
             positions if packing is None else packing.pack(positions)[None], self.rope, self.dtype))
