@@ -561,7 +561,9 @@ class Scheduler:
     def _execute(self, plan: StepPlan) -> StepOutcome:
         """5-6. One target forward over every tree, padded to Q rows each; each row's choice (made
         by its own rule, on the target's side), the walks, and the moves of every accepted path's
-        KV rows in the pool at once."""
+        KV rows in the pool at once. Where the walk runs on the device, all of it stays there
+        until the step reads its choices back, once: the paths, their lengths and the bonus
+        tokens as one tensor (tests/test_gpu_step.py counts the reads)."""
         rows, dev = plan.rows, self.target.device
         t0 = self.clock()
         seqs, trees = [r.seq for r in rows], [r.tree for r in rows]
