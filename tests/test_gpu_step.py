@@ -116,14 +116,14 @@ def test_each_bucket_forward_is_capturable(pair, device_path):
     from ddtree.workers.model import TreeBits
 
     target, _ = pair
-    page, pages = 4, 48
+    page, pages, per_row = 4, 64, 16  # a row's 16 pages hold its 19 + 33 positions at most
     pool = KVStorage(target.config, pages + 1, page, torch.float32)  # the last page: the scratch page
     g = torch.Generator().manual_seed(0)
     pool.k.normal_(generator=g)
     pool.v.normal_(generator=g)
     for batch, q_len in ((1, 1), (4, 17), (2, 33)):
         torch._dynamo.reset()
-        buffers = StepBuffers.allocate(batch, q_len, 12, scratch=pages, device="cpu")
+        buffers = StepBuffers.allocate(batch, q_len, per_row, scratch=pages, device="cpu")
         addresses = [t.data_ptr() for t in (buffers.tokens, buffers.positions, buffers.bits, buffers.table)]
         compiled = torch.compile(lambda: verify_forward(target, pool, buffers), fullgraph=True, dynamic=False,
                                  backend="eager")
@@ -134,7 +134,7 @@ def test_each_bucket_forward_is_capturable(pair, device_path):
             tree_batch = TreeBatch.of(trees, q_len)
             lengths = torch.randint(0, 20, (b,), generator=g)
             meta = tree_metadata(tree_batch, lengths)
-            table = block_table([list(range(12 * r, 12 * r + 12)) for r in range(b)])
+            table = block_table([list(range(per_row * r, per_row * (r + 1))) for r in range(b)])
             buffers.fill(tree_batch.tokens, meta.positions, TreeBits(meta.bits, tree_batch.sizes), table, lengths)
             want = verify_forward(target, pool, buffers).logits
             got = compiled().logits
