@@ -59,10 +59,14 @@ test: install prometheus
 test-fast: install prometheus
 	$(BIN)/python -m pytest -q -m "not smollm2 and not slow and not ray"
 
-# On a CUDA machine: kernel parity compiled, kernel timings, CUDA-graph verify, GPU verify-cost
-# curve, SmolLM2 end to end (benchmarks/gpu_check.py says what each part measures).
+# On a CUDA machine, in at most 8 minutes: kernel parity compiled, SmolLM2 lossless at 1 and 16
+# streams, deterministic: true, graphed vs eager steps, T(q) of a Qwen3-8B-shaped target, oracle
+# speed-ups (benchmarks/gpu_check.py says what each part measures), as JSON + text in
+# GPU_CHECK_OUT. DRY_RUN=1: the same script on the CPU with tiny random models (CI runs it).
+GPU_CHECK_OUT ?= runs/gpu-check
+DRY_RUN ?=
 gpu-check: install
-	$(BIN)/python benchmarks/gpu_check.py
+	$(BIN)/python benchmarks/gpu_check.py --out $(GPU_CHECK_OUT) $(if $(filter-out 0,$(DRY_RUN)),--dry-run)
 
 # A drafter training run on a GPU: data, training, export and held-out tau against the clock, e.g.
 #   make gpu-train ARGS="--prompts gsm8k-train.jsonl --skip-per-file 4400"

@@ -7,6 +7,8 @@ from __future__ import annotations
 import ast
 import importlib
 import importlib.util
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -64,3 +66,33 @@ def test_what_the_gpu_check_runs_needs_no_ray_or_web_stack(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels.py",
                            "-k", "pack_bits or metadata_kernel"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0 and "2 passed" in proc.stdout.splitlines()[-1], proc.stdout[-3000:]
+
+
+@pytest.mark.slow
+def test_the_gpu_check_runs_dry_on_the_cpu(tmp_path):
+    """`make gpu-check DRY_RUN=1`: the same script, every section on the CPU with tiny random
+    models (the kernels under the interpreter), without Ray or the web stack, writes its JSON
+    and text, and every check in them passes: the kernels' tests, every output plain decoding's
+    at 1 and 16 streams, the 16-stream outputs the lone ones under deterministic: true, the
+    graphed steps' tokens the eager ones', a T(q) row per q, an oracle row per (streams, tau,
+    budget). What breaks the script breaks here, not minutes into a GPU lease."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(BLOCKER)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    proc = subprocess.run([sys.executable, str(GPU_CHECK), "--dry-run", "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    results = json.loads((out / "gpu-check.json").read_text())
+    sections = results["sections"]
+    assert list(sections) == ["kernels", "lossless", "deterministic", "graphs", "verify_cost", "oracle"]
+    assert results["dry_run"] and results["failed"] == [] and all(s["ok"] for s in sections.values())
+    assert "passed" in sections["kernels"]["summary"]
+    assert [(r["streams"], r["budget"]) for r in sections["lossless"]["rows"]] == [
+        (s, b) for s in (1, 16) for b in (0, 16, 64, "auto")]
+    assert all(r["same"] == r["outputs"] for r in sections["lossless"]["rows"] + sections["deterministic"]["rows"])
+    assert sections["graphs"]["captured"] == 14  # 5 batch x 3 row buckets, but not 16 x 65 > max_step_tokens and sections["graphs"]["replays"] > 0
+    assert [r["q"] for r in sections["verify_cost"]["rows"]] == [1, 2, 3, 5, 9, 17, 33, 65, 129]
+    assert len(sections["oracle"]["rows"]) == 2 * 2 * 3
+    assert "every section passed" in (out / "gpu-check.txt").read_text()

@@ -19,9 +19,16 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+# The kernels for CPU tensors too: the engine's device path (the tree ops, the paged attention,
+# the seeded draws and the walk as Triton runs them on a GPU) on a machine without one, under
+# Triton's interpreter (TRITON_INTERPRET=1, read before Triton is imported). Tests set it.
+KERNELS_ON_CPU = False
+
+
 def use_triton(t: torch.Tensor) -> bool:
-    """The engine's dispatch: Triton for CUDA tensors, the torch reference for the rest."""
-    return t.is_cuda and triton_available()
+    """The engine's dispatch: Triton for CUDA tensors (and CPU ones under KERNELS_ON_CPU), the
+    torch reference for the rest."""
+    return (t.is_cuda or (KERNELS_ON_CPU and t.device.type == "cpu")) and triton_available()
 
 
 # The head widths the tree-attention kernel has a tile for (one power of two a tile row); a

@@ -25,6 +25,7 @@ import torch
 from ..config import SamplingParams
 from ..kernels.tree import Candidates
 from .kv_pool import KVStorage
+from .graphs import GraphSettings, VerifyGraphs
 from .model import TargetModel, TreeBits, packs_rows
 
 
@@ -101,12 +102,17 @@ class LocalBatchTarget:
     `packs_rows`: whether a verify step computes its trees' real rows only (workers.model.Packing);
     None takes the device's choice (workers.model.packs_rows: the CPU packs, a GPU does not).
     False on the CPU runs the padded forward a GPU runs: every tree padded to the step's Q, every
-    padding row computed and its keys and values written to the pool."""
+    padding row computed and its keys and values written to the pool.
 
-    def __init__(self, model: TargetModel, packs_rows: bool | None = None):
+    `graphs`: the padded verify forwards captured per (batch bucket, row bucket) at `allocate`
+    (workers.graphs; on CUDA as CUDA graphs), the steps outside them eager."""
+
+    def __init__(self, model: TargetModel, packs_rows: bool | None = None, graphs: GraphSettings | None = None):
         self.model = model
         self.storage: KVStorage | None = None
         self._packs_rows = packs_rows
+        self.graph_settings = graphs  # None: every verify eager
+        self.graphs: VerifyGraphs | None = None  # captured at `allocate`, over its storage
 
     @property
     def device(self) -> torch.device:
@@ -117,8 +123,15 @@ class LocalBatchTarget:
         return packs_rows(self.model.device) if self._packs_rows is None else self._packs_rows
 
     def allocate(self, num_pages: int, page: int) -> None:
-        self.storage = None  # the old one goes first
-        self.storage = KVStorage(self.model.config, num_pages, page, self.model.dtype, self.model.device)
+        """With graphs: one page more than the allocator hands out, the graphs' scratch page
+        (workers.graphs), and every bucket captured over the new storage."""
+        self.storage = self.graphs = None  # the old ones go first
+        scratch = self.graph_settings is not None
+        self.storage = KVStorage(self.model.config, num_pages + scratch, page, self.model.dtype, self.model.device)
+        if scratch:
+            pages = min(num_pages, -(-self.graph_settings.max_context // page))
+            self.graphs = VerifyGraphs(self.model, self.storage, num_pages, pages, self.graph_settings)
+            self.graphs.capture()
 
     def forward(self, batch: TargetBatch) -> TargetStep:
         t0 = time.perf_counter()
@@ -127,8 +140,17 @@ class LocalBatchTarget:
         rows = None  # a verify step whose trees leave padding rows: those are not computed
         if self.packs_rows and batch.rows is not None and not batch.logits_to_keep and sum(batch.rows) < len(batch.rows) * q_len:
             rows = torch.tensor(batch.rows, dtype=torch.int64, device=dev)
-        out = self.model(batch.tokens.to(dev), batch.positions.to(dev), batch.mask.to(dev),
-                         self.storage.batch(batch.tables, batch.lengths), batch.capture, batch.logits_to_keep, rows)
+        out = None
+        if self.graphs is not None and rows is None and isinstance(batch.mask, TreeBits) and not batch.logits_to_keep:
+            mask = batch.mask.to(dev)
+            if mask.rows is None:
+                mask = TreeBits(mask.bits, torch.full((q_len,), q_len, dtype=torch.int64, device=dev).expand(len(batch.tables)))
+            paged = self.storage.batch(batch.tables, batch.lengths)
+            out = self.graphs.forward(batch.tokens.to(dev), batch.positions.to(dev), mask, paged.table, paged.lengths,
+                                      batch.capture)
+        if out is None:
+            out = self.model(batch.tokens.to(dev), batch.positions.to(dev), batch.mask.to(dev),
+                             self.storage.batch(batch.tables, batch.lengths), batch.capture, batch.logits_to_keep, rows)
         choices = self.model.parallel.choose_rows(out.logits, batch.sampling, batch.seeds, batch.draw_positions,
                                                   out.packing)
         if dev.type == "cuda":

@@ -50,7 +50,13 @@ def block_table(tables: list[list[int]], device=None) -> torch.Tensor:
 
 def page_slots(tables: list[list[int]], positions: torch.Tensor, page: int) -> torch.Tensor:
     """positions [B, N] (each within its row's pages `tables[b]`) -> pool slots [B, N]."""
-    return block_table(tables, positions.device).gather(1, positions // page) * page + positions % page
+    return table_slots(block_table(tables, positions.device), positions, page)
+
+
+def table_slots(table: torch.Tensor, positions: torch.Tensor, page: int) -> torch.Tensor:
+    """positions [B, N] (each within its row's pages) -> pool slots [B, N], through the block
+    tables as one [B, P] tensor on the positions' device (nothing read back)."""
+    return table.gather(1, positions // page) * page + positions % page
 
 
 class PageAllocator:
@@ -98,6 +104,10 @@ class PageAllocator:
         """positions [B, N] (each within its row's pages) -> pool slots [B, N]."""
         return page_slots(tables, positions, self.page)
 
+    def slots_of(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`slots` through the block tables as one [B, P] tensor (kv_pool.block_table)."""
+        return table_slots(table, positions, self.page)
+
 
 def pool_memory(device: torch.device) -> int:
     """The bytes a KV pool may take on `device`: a quarter of its free memory on a GPU, an
@@ -129,7 +139,8 @@ class KVStorage:
 
     def batch(self, tables: list[list[int]], lengths: list[int]) -> "PagedBatch":
         """The rows of one forward: row b's committed prefix is positions [0, lengths[b])."""
-        return PagedBatch(self, tables, torch.tensor(lengths, dtype=torch.int64, device=self.k.device))
+        dev = self.k.device
+        return PagedBatch(self, block_table(tables, dev), torch.tensor(lengths, dtype=torch.int64, device=dev))
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copies slots src [N] to dst [N] in every layer (gathered first, so overlaps are safe)."""
@@ -144,7 +155,7 @@ class PagedBatch:
     """A forward's rows in the pool (TargetModel.forward's `cache`)."""
 
     pool: KVStorage
-    tables: list[list[int]]  # per row: its pages, covering lengths[b] + Q positions
+    table: torch.Tensor  # [B, P] int64 page ids (block_table): row b's pages cover lengths[b] + Q positions
     lengths: torch.Tensor  # [B] int64, committed positions per row; the block starts there
 
     def bind(self, block_mask, q_len: int, rows: torch.Tensor | None = None,
@@ -172,7 +183,7 @@ class PagedView:
         self.batch_invariant = batch_invariant
         dev = lengths.device
         self.pool, self.lengths = pool, lengths
-        self.table = block_table(batch.tables, dev)  # [B, P] page ids
+        self.table = batch.table.to(dev)  # [B, P] page ids
         block = lengths[:, None] + torch.arange(q_len, device=dev)  # [B, Q] the block's positions
         self.write_slots = (self.table.gather(1, block // pool.page) * pool.page + block % pool.page).view(-1)
         self.kernel = uses_paged_kernel(pool.k, q_len, batch_invariant)
@@ -183,7 +194,7 @@ class PagedView:
         if self.kernel:
             tree = isinstance(block_mask, TreeBits)
             self.bits = (block_mask.bits.to(dev) if tree
-                         else pack_bits(dense_block_mask(block_mask.to(dev), len(batch.tables))))  # [B, Q, W] int32
+                         else pack_bits(dense_block_mask(block_mask.to(dev), len(self.table))))  # [B, Q, W] int32
             # [B] real rows: a packed forward's, else the tree sizes the mask carries (or None: all real)
             self.kernel_rows = rows if rows is not None or not tree else block_mask.rows
             return
@@ -193,8 +204,8 @@ class PagedView:
         cols = torch.where(valid, cols, 0)
         self.read_slots = (self.table.gather(1, cols // pool.page) * pool.page + cols % pool.page).view(-1)  # [B * span]
         if self.cpu:  # in place: key (slot, head 0) sits at slot * Hkv * D
-            self.offsets = self.read_slots.view(len(batch.tables), self.span) * (pool.k.shape[2] * pool.k.shape[3])
-            self.mask = dense_block_mask(block_mask, len(batch.tables))
+            self.offsets = self.read_slots.view(len(self.table), self.span) * (pool.k.shape[2] * pool.k.shape[3])
+            self.mask = dense_block_mask(block_mask, len(self.table))
         else:
             self.attention = block_attention(block_mask, lengths, self.span, uses_kernel(block_mask, pool.k))
 

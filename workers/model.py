@@ -511,7 +511,9 @@ class FusedLinears:
             # (the fused matrix is a plain tensor; the shipped drafter was once trained for three runs
             # with its MLPs' gate and up projections frozen at their start)
             return tuple(layer(x) for layer in self.layers)
-        if not self._fused():
+        # a traced forward (torch.compile) takes the weight fused at an eager call before it: the
+        # check compares data pointers, which a graph cannot hold
+        if self.weight is None or (not torch.compiler.is_compiling() and not self._fused()):
             self._fuse()
         return linear(x, self.weight, self.bias, self.layers[0].batch_invariant).split(self.sizes, dim=-1)
 

@@ -44,11 +44,12 @@ import torch
 from ..kernels.batched import tree_metadata, walk_batch
 from ..kernels.sampling import draw_seed
 from ..kernels.tree import Candidates, Lookup, Tree, grow_tree
-from ..kernels.tree_batch import TreeBatch, unpack_bits
+from ..kernels.tree_batch import TreeBatch, WalkBatch, unpack_bits
+from ..kernels.triton_support import use_triton
 from .batch_backends import BatchDrafter, BatchTarget, DraftRows, LocalBatchDrafter, LocalBatchTarget, TargetBatch
 from .requests import (Budget, Request, Result, RoundStats, Update, accepted_sources, check_budget, check_request, check_stop,
                        kept_per_depth, tree_rows)
-from .kv_pool import PageAllocator, PoolFull
+from .kv_pool import PageAllocator, PoolFull, block_table
 from .lookup import BATCH_DECAY as LOOKUP_BATCH_DECAY, LookupCalibration, SequenceLookup
 from .model import TreeBits
 from .policy import BudgetPolicy, CostCurve, SequenceEstimate, by_bucket, measure_step_cost
@@ -560,7 +561,9 @@ class Scheduler:
     def _execute(self, plan: StepPlan) -> StepOutcome:
         """5-6. One target forward over every tree, padded to Q rows each; each row's choice (made
         by its own rule, on the target's side), the walks, and the moves of every accepted path's
-        KV rows in the pool at once."""
+        KV rows in the pool at once. Where the walk runs on the device, all of it stays there
+        until the step reads its choices back, once: the paths, their lengths and the bonus
+        tokens as one tensor (tests/test_gpu_step.py counts the reads)."""
         rows, dev = plan.rows, self.target.device
         t0 = self.clock()
         seqs, trees = [r.seq for r in rows], [r.tree for r in rows]
@@ -577,27 +580,45 @@ class Scheduler:
         ))
         t1 = self.clock()
         walk = walk_batch(batch, out.choices.to(dev))
-        paths, lengths, bonus = walk.path.cpu(), walk.length.tolist(), walk.bonus.tolist()
-        # every accepted path's KV rows to the positions after its committed prefix, in one
-        # lookup: [B, longest path], the tail past each row's path masked out
-        width = max(lengths)
-        kept = torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]
+        # the longest path a tree can accept: its deepest node and the root (the trees are the host's)
+        width = 1 + max(int(t.depths.max()) for t in trees)
         if width > 1:  # where every path is its root alone (a plain step) no KV row moves
-            starts = torch.tensor([s.length for s in seqs])[:, None]
-            tables = [s.pages for s in seqs]
-            src_slots = self.pool.slots(tables, starts + torch.where(kept, paths[:, :width], 0))[kept]
-            dst_slots = self.pool.slots(tables, starts + torch.arange(width)[None, :].where(kept, 0))[kept]
-            moved = src_slots != dst_slots
-            self.target.move(src_slots[moved], dst_slots[moved])
-        # the accepted paths' target features in one gather, each row's a view of it
-        features = None if out.features is None else list(out.features[
-            torch.arange(len(rows))[:, None].expand(-1, width)[kept], paths[:, :width][kept]].split(lengths))
+            self._move_paths([s.pages for s in seqs], meta.positions[:, :1], walk, width)
+        # the step's one read of the device: every row's path, its length and its bonus at once
+        chosen = torch.cat([walk.path, walk.length[:, None], walk.bonus[:, None]], dim=1).cpu()  # [B, Q + 2]
+        paths, lengths, bonus = chosen[:, : plan.q_len], chosen[:, -2].tolist(), chosen[:, -1].tolist()
+        features = None
+        if out.features is not None:  # the accepted paths' target features in one gather, each row's a view of it
+            on_paths = [(b, node) for b, row in enumerate(paths.tolist()) for node in row[: lengths[b]]]
+            at = torch.tensor(on_paths, dtype=torch.int64).to(out.features.device)  # [sum(lengths), 2]
+            features = list(out.features[at[:, 0], at[:, 1]].split(lengths))
         if self.on_verify is not None:
             mask, positions = unpack_bits(meta.bits.cpu(), plan.q_len), meta.positions.cpu()
             self.on_verify([VerifyRecord(s.id, s.request, len(s.output), t, plan.q_len, positions[b].tolist(), mask[b].tolist(),
                                          paths[b, :lengths[b]].tolist(), bonus[b])
                             for b, (s, t) in enumerate(zip(seqs, trees))])
         return StepOutcome(paths, lengths, bonus, features, t1 - t0, self.clock() - t1)
+
+    def _move_paths(self, tables: list[list[int]], starts: torch.Tensor, walk: WalkBatch, width: int) -> None:
+        """Every accepted path's KV rows to the positions after its committed prefix, in one
+        move, from the walk where it ran (on a GPU: nothing read back). starts [B, 1] each row's
+        committed length; `width`: at least the longest path. Row b's position starts[b] + i
+        takes the row of starts[b] + path[b, i] for i < length[b]; past its path a position
+        takes its own row (a move to itself), so the move's shape follows B and `width` alone.
+        On the CPU the moves to themselves are dropped first (the walk is the host's there).
+
+        Example (page 4, width 3): table [[2, 5]], starts [[3]], path [[0, 2, -1]], length [2]
+        -> positions 3, 4, 5 take 3, 5, 5: slots [11, 21, 21] to [11, 20, 21]."""
+        dev = walk.path.device
+        table = block_table(tables, dev)
+        offsets = torch.arange(width, device=dev)[None, :]
+        on_path = offsets < walk.length[:, None]
+        src = self.pool.slots_of(table, starts + torch.where(on_path, walk.path[:, :width], offsets)).view(-1)
+        dst = self.pool.slots_of(table, starts + offsets).view(-1)
+        if not use_triton(src):  # the host's walk: only the rows that move
+            moved = src != dst
+            src, dst = src[moved], dst[moved]
+        self.target.move(src, dst)
 
     def _commit(self, row: _Row, plan: StepPlan, outcome: StepOutcome, path: torch.Tensor, bonus: int,
                 features: torch.Tensor | None) -> None:
