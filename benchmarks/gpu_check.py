@@ -313,16 +313,34 @@ def deterministic(check: Check) -> dict:
         return {"ok": False, "refused": str(err)}
     model, drafter, prompts = check.pair
     tokens = check.sizes.new_tokens
-    scheduler = Scheduler.local(model, drafter, 0, limits_for(prompts, tokens))
-    rows, ok = [], True
-    for budget in (0, 16):
-        lone = run_streams(scheduler, prompts, tokens, budget, 1, check.device).outputs
-        together = run_streams(scheduler, prompts, tokens, budget, 16, check.device).outputs
-        same = same_as(together, lone)
-        ok &= same == len(together)
-        rows.append({"budget": budget, "same": same, "outputs": len(together)})
-        print(f"   budget {budget}: {same}/{len(together)} of the 16-stream outputs = the lone ones", flush=True)
-    return {"ok": ok, "backends": backends.as_dict(), "rows": rows}
+    on_gpu = check.device.type == "cuda"
+    if on_gpu:  # the engine does this under deterministic: true (the CPU's kernels are invariant already)
+        model.use_batch_invariant_kernels()
+    try:
+        scheduler = Scheduler.local(model, drafter, 0, limits_for(prompts, tokens))
+        rows, ok = [], True
+        for budget in (0, 16):
+            lone = run_streams(scheduler, prompts, tokens, budget, 1, check.device).outputs
+            together = run_streams(scheduler, prompts, tokens, budget, 16, check.device).outputs
+            same = same_as(together, lone)
+            ok &= same == len(together)
+            rows.append({"budget": budget, "same": same, "outputs": len(together)})
+            print(f"   budget {budget}: {same}/{len(together)} of the 16-stream outputs = the lone ones", flush=True)
+    finally:
+        if on_gpu:
+            model.use_batch_invariant_kernels(False)
+    out = {"ok": ok, "backends": backends.as_dict(), "rows": rows}
+    if on_gpu:  # the kernels compiled at Qwen3-8B's shapes in bf16, cuBLAS beside them, and the GEMM's cost
+        from ddtree.kernels.batch_invariant import deterministic_check
+
+        shapes = deterministic_check(device="cuda", dtype=torch.bfloat16)
+        out["ok"] = ok and shapes["ok"]
+        out["kernels_at_qwen3_8b"] = shapes
+        print(f"   kernels at Qwen3-8B's shapes, bf16: rows bitwise {shapes['ok']} (cuBLAS rows bitwise: "
+              f"{shapes['linear']['cublas_rows_bitwise']}); GEMM ms invariant / cuBLAS: "
+              + ", ".join(f"{r} rows {t['invariant']:.3f}/{t['cublas']:.3f}" for r, t in shapes["linear_ms"].items()),
+              flush=True)
+    return out
 
 
 # --- 4. graphs --------------------------------------------------------------------------------
