@@ -282,7 +282,7 @@ def policy_cost_curve() -> None:
     policy saw before it waited: launch time). Section 4 times the bare forward by CUDA events."""
     from unittest import mock
 
-    from ddtree.workers.policy import measure_step_cost
+    from ddtree.workers.calibration import measure_step_cost
     from ddtree.workers.scheduler import BatchLimits, Scheduler
 
     section("6. the policy's start-up T(r) on the Qwen3-8B-shaped target: with and without waiting for the GPU")

@@ -19,7 +19,7 @@ its `clock`:
   cut to the depths and top-k the scheduler asks for; it advances the clock by D(n) + c x the
   context rows the pass takes in.
 
-So the policy's start-up calibration (workers.policy.measure_step_cost, through the same
+So the policy's start-up calibration (workers.calibration.measure_step_cost, through the same
 backend) measures the cost model's T(r) -- `replay_scheduler` hands the policy that curve
 directly -- and every phase the scheduler times is the cost model's. The replay is lossless by construction: each result's tokens are checked against the
 trace's (`ReplayMismatch` otherwise: the replay or the scheduler is wrong).
@@ -41,7 +41,8 @@ from .load_bench import Throughput
 from .trace import Trace
 from .workers.batch_backends import DraftRows, TargetBatch, TargetStep
 from .workers.model import TreeBits
-from .workers.policy import CostCurve, measure_step_cost
+from .workers.calibration import measure_step_cost
+from .workers.policy import CostCurve
 from .workers.requests import Budget
 from .workers.scheduler import BatchLimits, Scheduler, row_counts
 from .kernels.sampling import draw_seed
@@ -268,7 +269,7 @@ def replay_scheduler(trace: Trace, cost: CostModel, concurrency: int, max_step_t
                      lookup: bool = False, calibrate: bool = True, policy=None) -> Scheduler:
     """A Scheduler over the replay backends and a virtual clock, room for `concurrency` sequences
     (its KV pool holds every one whole: a replay prices compute, not memory); with `calibrate`,
-    its policy's T(r) measured at start-up as the engine's is (workers.policy.measure_step_cost).
+    its policy's T(r) measured at start-up as the engine's is (workers.calibration.measure_step_cost).
     `policy`: the budget policy "auto" runs (the Scheduler's `policy`; a fresh BudgetPolicy by
     default)."""
     clock = VirtualClock()

@@ -15,7 +15,7 @@ from ddtree.config import SamplingParams
 from ddtree.simulate import CostModel, ReplayMismatch, Trace, replay_scheduler, simulate
 from ddtree.trace import TraceSequence, trace_of
 from ddtree.workers.drafter import DFlashDrafter
-from ddtree.workers.policy import measure_step_cost
+from ddtree.workers.calibration import measure_step_cost
 from ddtree.workers.requests import Request
 from ddtree.workers.scheduler import BatchLimits, Scheduler, row_counts
 
