@@ -67,8 +67,8 @@ from .calibration import plausible
 BINS = (0.5, 0.2, 0.05)  # edges of the p bins calibrated apart: the drafter is overconfident at high p, less below
 PRIOR_MASS = 2.0  # a factor starts at 1 as if this many expected tokens had been seen there
 BATCH_MEMORY = 256  # the drafter's per-bin factors fade over this many resolved trees (a workload's drafter)
-SEQ_MEMORY = 32  # a sequence's evidence fades over this many of its steps (its acceptance drifts within a reply)
-OPTIMISM = 1.0  # the plan prices a sequence's factor at its mean plus this many standard deviations
+SEQ_MEMORY = 64  # a sequence's evidence fades over this many of its steps (its acceptance drifts within a reply)
+OPTIMISM = 0.25  # the plan prices a sequence's factor at its mean plus this many standard deviations
 SHAPE_WEIGHT = 0.3  # weight of a sequence's newest drafted tree in the tree it is expected to draft next
 EMA = 0.2  # weight of a step's timing at its row count in T(r)
 COST_MEMORY = 64  # D and O fit the steps of about this many last (a host's speed drifts within minutes)
@@ -423,22 +423,22 @@ class BudgetPolicy:
         if self.shape is None:
             chosen = {0}
         else:
-            context = [self._priced_context(r) for r in rows]
+            context = [self._priced_context(r, c) for r, c in zip(rows, curves)]
             nodes, _ = self._allocate(batch, buckets, curves, fixed_nodes, fixed_drafting, context)
             chosen = {i for i, n in enumerate(nodes) if n}
-        most = buckets[-1] - 1
-        out: list[Draft | None] = []
-        for i, r in enumerate(rows):
-            state = self._state(r.seq_id)
-            width = min(most, max(MIN_WIDTH, GROWTH * state.nodes) if state.shape else GROWTH * MIN_WIDTH)
-            out.append(Draft(max(1, width), state.depth + GROWTH, state.shape is None) if i in chosen else None)
-        return out
+        return [self.draft_of(r.seq_id, buckets[-1] - 1) if i in chosen else None for i, r in enumerate(rows)]
 
-    def _priced_context(self, row: PlanRow) -> float:
+    def draft_of(self, seq_id: int, most: int) -> Draft:
+        """A sequence's draft: GROWTH times its last granted tree's nodes, at least MIN_WIDTH
+        (GROWTH x MIN_WIDTH at first), at most `most`; GROWTH depths past that tree's depth."""
+        state = self._state(seq_id)
+        width = max(MIN_WIDTH, GROWTH * state.nodes) if state.shape else GROWTH * MIN_WIDTH
+        return Draft(max(1, min(most, width)), state.depth + GROWTH, state.shape is None)
+
+    def _priced_context(self, row: PlanRow, curve: list[float] | None) -> float:
         """The context rows a draft is charged for: a round's own (1 + its expected gains), and the
         rows of a catch-up past them spread over the SEQ_MEMORY rounds its estimate vouches for."""
-        curve = self.expected(row.seq_id) or [0.0]
-        steady = 1 + curve[-1]
+        steady = 1 + (curve or [0.0])[-1]
         return row.context if row.context <= steady else steady + (row.context - steady) / SEQ_MEMORY
 
     def choose(self, batch: int, buckets: list[int], curves: list[list[float]], draft_s: float,
@@ -449,9 +449,8 @@ class BudgetPolicy:
         the drafted sequence it is (None: a lookup chain alone), whose granted tree the next
         draft is sized from."""
         nodes, rate = self._allocate(batch, buckets, curves, fixed_nodes, 0, None, sunk=draft_s)
-        for i, (curve, n) in enumerate(zip(curves, nodes)):
-            seq_id = ids[i] if ids else None
-            if seq_id is not None and seq_id in self.sequences:
+        for seq_id, n in zip(ids or [], nodes):
+            if seq_id in self.sequences:
                 state = self.sequences[seq_id]
                 state.nodes = n
                 state.depth = max(state.last_depths[:n], default=0) if n else state.depth
@@ -548,15 +547,14 @@ class BudgetPolicy:
     def _learn(self, state: _Sequence, kept: _Kept, path: set[int]) -> None:
         """One resolved tree: per drafter node (off the lookup chain), whether the path took it,
         against its p (c_b) and its c_b p (a_s)."""
-        keep = 1 - 1 / BATCH_MEMORY
+        factors = self.factors()
         for r in self.bins:
-            r.fade(keep)
+            r.fade(1 - 1 / BATCH_MEMORY)
         for i, (p, on_chain) in enumerate(zip(kept.p, kept.chain), start=1):
-            if on_chain:
-                continue
-            b, hit = bin_of(p), float(i in path)
-            state.factor.add(hit, self.bins[b].mean() * p)
-            self.bins[b].add(hit, p)
+            if not on_chain:
+                b, hit = bin_of(p), float(i in path)
+                state.factor.add(hit, factors[b] * p)
+                self.bins[b].add(hit, p)
 
     def drop(self, seq_id: int) -> None:
         """Forgets a sequence (finished, cancelled)."""
