@@ -59,8 +59,8 @@ class EngineMetrics:
             "ddtree_policy_accepted", description="Budget auto: drafted tokens a round accepted.",
             boundaries=ACCEPTED_BOUNDARIES, tag_keys=("model",)))
         self.policy_probes = tagged(metrics.Counter(
-            "ddtree_policy_probes", description="Budget auto: rounds that drafted to learn a sequence's gains "
-            "(a probe), not because they were predicted to pay.", tag_keys=("model",)))
+            "ddtree_policy_probes", description="Budget auto: rounds that drafted a sequence's first tree, its "
+            "acceptance still unknown.", tag_keys=("model",)))
         self.ttft = tagged(metrics.Histogram(
             "ddtree_time_to_first_token_seconds", description="Arrival to first token, seconds.",
             boundaries=LATENCY_BOUNDARIES_S, tag_keys=("model",)))

@@ -72,7 +72,7 @@ OPTIMISM = 0.25  # the plan prices a sequence's factor at its mean plus this man
 SHAPE_WEIGHT = 0.3  # weight of a sequence's newest drafted tree in the tree it is expected to draft next
 EMA = 0.2  # weight of a step's timing at its row count in T(r)
 COST_MEMORY = 64  # D and O fit the steps of about this many last (a host's speed drifts within minutes)
-MIN_WIDTH = 16  # a draft grows at least this many nodes (and reaches 1 / GROWTH of it in depths at first) ...
+MIN_WIDTH = 16  # a draft grows at least this many nodes (the trees granted at many streams: a few) ...
 GROWTH = 2  # ... or this times its last granted tree's, this many depths past that tree's: a tree may grow each step
 MISFIT = 2.0  # a forward off T(r) by over this factor ...
 MISFIT_STEPS = 8  # ... this many steps in a row (doubling each time) has T(r) measured again
@@ -244,7 +244,7 @@ class _Sequence:
     factor: Ratio = field(default_factory=Ratio)  # a_s
     shape: list[float] | None = None  # C_s(n): its expected tree's calibrated gains, before a_s
     nodes: int = 0  # its last granted tree's nodes ...
-    depth: int = MIN_WIDTH // GROWTH // GROWTH  # ... and depth
+    depth: int = MIN_WIDTH // GROWTH // GROWTH  # ... and depth (at first: what a MIN_WIDTH-node tree reaches, about)
     last_depths: list[int] = field(default_factory=list)  # its drafted tree's node depths, until `choose`
     pending: list[_Kept] = field(default_factory=list)
 
