@@ -46,6 +46,7 @@ import argparse
 import copy
 import json
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -55,9 +56,10 @@ from ddtree import load_bench
 from ddtree.bench import MIXED_FILES, interleaved_prompts
 from ddtree.config import ModelPairConfig, parse_budget
 from ddtree.engine import Engine, freeze_startup
-from policy_revision import beside, running, scheduler_at
 
 DATA = Path(__file__).parent / "data"
+sys.path.insert(0, str(Path(__file__).parent))
+from policy_revision import beside, running, scheduler_at  # noqa: E402
 
 
 def mixed_prompts(per_file: int, files: tuple[str, ...] = MIXED_FILES) -> list[str]:

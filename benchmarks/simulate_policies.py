@@ -12,6 +12,11 @@ their tokens per round at the largest fixed budget, on that cost model at one st
     python benchmarks/simulate_policies.py [--trace benchmarks/traces/mixed-36x128.npz]
         [--costs cpu-epyc-2core,h200-smollm2,qwen3-8b-gpu] [--concurrency 1,4,16,64]
         [--budgets 0,chain,16,64] [--against main] [--out benchmarks/results/simulate-v2-DATE]
+        [--fixed benchmarks/results/simulate-mixed-36x128-2026-12-07.json]
+
+`--fixed FILE` takes the fixed budgets' cells from an earlier `ddtree simulate --json` of the same
+trace (replays are deterministic, and a fixed budget's steps do not depend on the policy), so only
+the autos replay, and the largest fixed budget at one stream (for the well-accepting sequences).
 """
 
 from __future__ import annotations
@@ -23,11 +28,12 @@ import sys
 from pathlib import Path
 
 from ddtree.config import parse_budget
-from ddtree.simulate import CostModel, Trace, replay_scheduler, simulate
+from ddtree.simulate import CostModel, SimRow, Trace, replay_scheduler, simulate
 
-from policy_revision import scheduler_at
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+from policy_revision import scheduler_at  # noqa: E402
 
 
 def cell(trace, cost, budget, streams, scheduler_class=None):
@@ -49,6 +55,16 @@ def cell(trace, cost, budget, streams, scheduler_class=None):
     return simulate(trace, cost, budget, streams, scheduler=scheduler, on_result=seen), per
 
 
+def recorded(rows: list[dict], budget, streams: int) -> SimRow:
+    """The cell of an earlier `ddtree simulate --json` (its SimRow summaries)."""
+    r = next(r for r in rows if str(r["budget"]) == str(budget) and r["concurrency"] == streams)
+    row = SimRow(budget, streams, cost=r["cost"])
+    for name in ("requests", "tokens", "seconds", "rounds", "round_tokens", "drafted_rounds", "drafted_nodes",
+                 "predicted", "accepted", "busy_tokens", "busy_seconds"):
+        setattr(row, name, r[name])
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", default=str(ROOT / "benchmarks/traces/mixed-36x128.npz"))
@@ -56,6 +72,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--budgets", default="0,chain,16,64")
     parser.add_argument("--against", default="main", help="a git revision whose auto runs beside (empty: none)")
+    parser.add_argument("--fixed", help="an earlier `ddtree simulate --json` of this trace: its fixed budgets' cells")
     parser.add_argument("--out", default=str(ROOT / f"benchmarks/results/simulate-v2-{datetime.date.today()}"))
     args = parser.parse_args()
 
@@ -68,8 +85,12 @@ def main() -> None:
     for name in args.costs.split(","):
         cost = CostModel.load(ROOT / "benchmarks/costs" / f"{name}.json")
         rows, well = {}, None
+        earlier = [r for r in json.loads(Path(args.fixed).read_text()) if r["cost"] == name] if args.fixed else None
         for c in levels:
             for budget in fixed:
+                if earlier is not None and not (c == levels[0] and budget == fixed[-1]):
+                    rows[budget, c] = recorded(earlier, budget, c)
+                    continue
                 rows[budget, c], per = cell(trace, cost, budget, c)
                 if c == levels[0] and budget == fixed[-1]:  # the sequences that accept well: top half by tau
                     ranked = sorted(per, key=lambda i: per[i][2] / per[i][3], reverse=True)
