@@ -2,6 +2,8 @@
 workers/policy.py it imports) of a git revision, loaded from `git show` as modules of the
 installed ddtree.workers package, so that one engine's models run either step loop.
 
+    python benchmarks/policy_revision.py REV  # checks that REV's scheduler and policy load
+
     Old = scheduler_at("main")
     old = beside(engine, Old)  # a scheduler of that revision over the engine's target and drafter
     with running(engine, old):  # engine.scheduler is `old` inside
@@ -13,6 +15,7 @@ still resolve there); a revision whose policy keeps `measure_step_cost` itself n
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import importlib.util
 import re
@@ -67,3 +70,10 @@ def running(engine, scheduler):
         yield scheduler
     finally:
         engine.scheduler = before
+
+
+if __name__ == "__main__":  # a check that a revision loads: python benchmarks/policy_revision.py main
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("rev", help="a git revision")
+    cls = scheduler_at(parser.parse_args().rev)
+    print(f"{cls.__module__}.{cls.__name__} over {sys.modules[cls.__module__.replace('_scheduler', '_policy')].__file__}")
