@@ -391,7 +391,7 @@ def test_the_scheduler_measures_a_contradicted_curve_again_mid_run_and_the_token
     prompt = [5, 6, 7]
     reference = hf_greedy(hf, prompt, 40)
     drafter = OracleDrafter(prompt + reference + [0] * 16, 97, 8, accuracy=0.8)
-    poisoned = {1: 10.0, 17: 10.0, 65: 20.0, 129: 5.0}
+    poisoned = {r: 10.0 for r in range(1, 18)} | {65: 20.0, 129: 5.0}  # every count a step may verify: a point
     scheduler = Scheduler.local(target, drafter, "auto", BatchLimits(max_num_seqs=2, max_step_tokens=2 * 65),
                                 policy=BudgetPolicy(CostCurve(poisoned)))
     # the sampled request runs on alone at the end (T(1), never seen, contradicts the curve step
