@@ -382,11 +382,13 @@ def test_budgets_changing_every_round_leave_every_token_the_targets(tiny_checkpo
         assert results[0].tau > 1.5, "the oracle's trees were accepted"
 
 
-def test_the_scheduler_measures_a_contradicted_curve_again_mid_run_and_the_tokens_stay_the_targets(tiny_checkpoint):
+def test_the_scheduler_measures_a_contradicted_curve_again_mid_run_and_the_tokens_stay_the_targets(tiny_checkpoint,
+                                                                                                     caplog):
     """The scheduler's side of `misfit`: told a curve ~10,000x the tiny target's real costs (and
     flat, so every node looks free), it measures T(r) again between two steps, through its own
     target and pool, and goes on; the measurement's pages go back, and every token is the
-    target's own."""
+    target's own. (On a busy machine a millisecond forward's timings can dip as no machine's
+    curve does: such a measurement is not taken, and the log says so.)"""
     hf, target, _ = tiny_checkpoint("llama", 97)
     prompt = [5, 6, 7]
     reference = hf_greedy(hf, prompt, 40)
@@ -402,7 +404,8 @@ def test_the_scheduler_measures_a_contradicted_curve_again_mid_run_and_the_token
                                                               budget=0)])[0]
     assert results[1].tokens == plain.tokens
     assert scheduler.stats()["recalibrations"] >= 1
-    assert all(s < 1.0 for s in scheduler.policy.verify.points.values()), scheduler.policy.verify.points
+    taken = not any("not taken" in r.getMessage() for r in caplog.records)
+    assert not taken or all(s < 1.0 for s in scheduler.policy.verify.points.values()), scheduler.policy.verify.points
     assert scheduler.pool.free_pages == scheduler.pool.num_pages
 
 
