@@ -29,7 +29,12 @@ a pass, fewer than c streams, left out), auto's granted-budget distribution and 
 realized accepted tokens; and for the whole run, each budget's seconds for every concurrency's
 tokens at its own tokens/s there (`whole_run`: the policy against one fixed budget for every load).
 
-    python benchmarks/budget_policy.py [--concurrency 1,4,16,64] [--budgets 0,4,8,16,chain]
+`--against REV` also runs `budget: auto` as git revision REV's scheduler and policy have it
+(benchmarks/policy_revision.py: their modules loaded from `git show`, over the same engine's
+models and start-up T(r)), as one more budget "auto@REV" in the same rotation: the policy against
+another revision's in one run, on one machine's drifts alike.
+
+    python benchmarks/budget_policy.py [--concurrency 1,4,16,64] [--budgets 0,4,8,16,chain] [--against main]
         [--per-file 4] [--max-tokens 64] [--requests-per-stream 2] [--min-requests 12]
         [--max-requests 64] [--warm-up 12] [--settle 0] [--lookup] [--files a.jsonl,b.jsonl]
         [--length-spread 0.5] [--slices 4] [--race 0.8] [--race-after 2] [--json out.json]
@@ -41,6 +46,7 @@ import argparse
 import copy
 import json
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -52,6 +58,8 @@ from ddtree.config import ModelPairConfig, parse_budget
 from ddtree.engine import Engine, freeze_startup
 
 DATA = Path(__file__).parent / "data"
+sys.path.insert(0, str(Path(__file__).parent))
+from policy_revision import beside, running, scheduler_at  # noqa: E402
 
 
 def mixed_prompts(per_file: int, files: tuple[str, ...] = MIXED_FILES) -> list[str]:
@@ -91,20 +99,27 @@ def main() -> None:
                         help="after --race-after passes, a fixed budget under this share of the best fixed "
                              "budget's tokens/s so far runs no more passes (plain and auto always run)")
     parser.add_argument("--race-after", type=int, default=2)
+    parser.add_argument("--against", help="a git revision whose budget policy (and scheduler) also runs, as auto@REV")
     parser.add_argument("--json")
     args = parser.parse_args()
 
     levels = [int(c) for c in args.concurrency.split(",")]
-    budgets = ["auto"] + [parse_budget(b) for b in args.budgets.split(",")]
+    budgets = ["auto"] + ([f"auto@{args.against}"] if args.against else []) + [parse_budget(b) for b in args.budgets.split(",")]
     config = ModelPairConfig(model=args.model, budget="auto", max_num_seqs=max(levels),
                              max_step_tokens=args.max_step_tokens, lookup=args.lookup)
     started = time.perf_counter()
     engine = Engine.from_config(config)
     print(f"engine ready in {time.perf_counter() - started:.1f} s; T(r) ms: "
           + ", ".join(f"{r}: {1000 * s:.0f}" for r, s in engine.scheduler.policy.verify.points.items()), flush=True)
+    others = {}  # label -> a scheduler of another revision
+    if args.against:
+        others[f"auto@{args.against}"] = beside(engine, scheduler_at(args.against), engine.scheduler.policy.verify.points)
     render = lambda texts: [engine.render_chat([{"role": "user", "content": t}]) for t in texts]  # noqa: E731
     # warm-up: kernels, and the policy's first look
     load_bench.run_inprocess(engine, render(mixed_prompts(args.per_file)), "auto", 4, args.warm_up, 32)
+    for other in others.values():
+        with running(engine, other):
+            load_bench.run_inprocess(engine, render(mixed_prompts(args.per_file)), "auto", 4, args.warm_up, 32)
     freeze_startup()  # as a replica does: one engine for the process's life
     files = tuple(args.files.split(","))
     prompts = render(mixed_prompts(args.per_file, files))
@@ -116,7 +131,8 @@ def main() -> None:
         cuts = slices(requests, c, args.slices)
         runs, active, turn = {b: [] for b in budgets}, list(budgets), i  # runs: each budget's row per pass
         for _ in range(args.settle):
-            load_bench.run_inprocess(engine, prompts, "auto", c, c, lengths)
+            for label in ["auto", *others]:
+                run(engine, others, prompts, label, c, c, lengths)
         for p in range(args.passes):
             if args.race and p >= args.race_after:
                 active = raced(active, {b: total(runs[b]) for b in active}, args.race)
@@ -124,16 +140,14 @@ def main() -> None:
             for lo, hi in cuts:
                 order = active[turn % len(active):] + active[: turn % len(active)]
                 for budget in (order if turn % 2 == 0 else order[::-1]):
-                    r = load_bench.run_inprocess(engine, [prompts[j % len(prompts)] for j in range(lo, hi)], budget,
-                                                 c, hi - lo, lengths[lo:hi] if isinstance(lengths, list) else lengths)
+                    r = run(engine, others, [prompts[j % len(prompts)] for j in range(lo, hi)], budget,
+                            c, hi - lo, lengths[lo:hi] if isinstance(lengths, list) else lengths)
                     done[budget] = merge(done[budget], r) if budget in done else r
                 turn += 1
             for budget in active:
                 r = done[budget]
                 print(f"  streams {c} budget {budget} pass {p + 1}: {r.tokens_per_s:.1f} tok/s "
-                      f"(every stream busy: {r.busy_tokens_per_s:.1f}), tau {r.tau or 0:.2f}"
-                      + (f", trees weighed at {engine.scheduler.policy.tree_rate(c):.2f}" if budget == "auto" else ""),
-                      flush=True)
+                      f"(every stream busy: {r.busy_tokens_per_s:.1f}), tau {r.tau or 0:.2f}", flush=True)
                 runs[budget].append(r)
         tables.append((c, runs, [total(runs[b]) for b in budgets]))
         print(table(*tables[-1]), flush=True)
@@ -151,6 +165,17 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(
             [{"streams": c, "rows": [dict(r.summary(), passes=len(runs[r.budget])) for r in rows]}
              for c, runs, rows in tables], indent=2))
+
+
+def run(engine, others: dict, prompts, budget, streams: int, requests: int, max_tokens) -> load_bench.LoadRow:
+    """load_bench.run_inprocess at `budget`, or as "auto" on another revision's scheduler where
+    `budget` names one of `others` (the row keeps that name)."""
+    if budget not in others:
+        return load_bench.run_inprocess(engine, prompts, budget, streams, requests, max_tokens)
+    with running(engine, others[budget]):
+        row = load_bench.run_inprocess(engine, prompts, "auto", streams, requests, max_tokens)
+    row.budget = budget
+    return row
 
 
 def whole_run(tables: list) -> str:
@@ -192,8 +217,13 @@ def slices(requests: int, streams: int, k: int) -> list[tuple[int, int]]:
 def raced(active: list, rows: dict, share: float) -> list:
     """The budgets that run the next pass: auto, plain decoding, and each fixed budget whose
     tokens/s so far is at least `share` of the best fixed budget's."""
-    best = max(rows[b].tokens_per_s for b in active if b != "auto")
-    return [b for b in active if b in ("auto", 0) or rows[b].tokens_per_s >= share * best]
+    best = max(rows[b].tokens_per_s for b in active if not _auto(b))
+    return [b for b in active if _auto(b) or b == 0 or rows[b].tokens_per_s >= share * best]
+
+
+def _auto(budget) -> bool:
+    """auto, or another revision's auto."""
+    return isinstance(budget, str) and budget.startswith("auto")
 
 
 def total(passes: list[load_bench.LoadRow]) -> load_bench.LoadRow:
@@ -220,14 +250,17 @@ def table(streams: int, runs: dict, rows: list[load_bench.LoadRow]) -> str:
     """The cells as a markdown table. "Best fixed" is the best of the fixed budgets that ran every
     pass; one raced out after n passes is weighed against auto's first n passes, on a line below."""
     auto, passes = rows[0], {b: len(r) for b, r in runs.items()}
-    fixed = [r for r in rows[1:] if passes[r.budget] == passes["auto"]]
+    fixed = [r for r in rows[1:] if passes[r.budget] == passes["auto"] and not _auto(r.budget)]
+    against = [r for r in rows[1:] if _auto(r.budget)]
     best = max(fixed, key=lambda r: r.tokens_per_s)
     busiest = max(fixed, key=lambda r: r.busy_tokens_per_s)
     plain = next((r for r in fixed if r.budget == 0), None)
     lines = [f"\n{streams} streams, {auto.requests} requests in {passes['auto']} passes: auto = "
              f"{auto.tokens_per_s / best.tokens_per_s:.2f}x the best fixed budget ({best.budget})"
              + (f", {auto.tokens_per_s / plain.tokens_per_s:.2f}x plain" if plain else "")
-             + f"; every stream busy: {auto.busy_tokens_per_s / busiest.busy_tokens_per_s:.2f}x ({busiest.budget})",
+             + f"; every stream busy: {auto.busy_tokens_per_s / busiest.busy_tokens_per_s:.2f}x ({busiest.budget})"
+             + "".join(f"; {auto.tokens_per_s / r.tokens_per_s:.2f}x {r.budget} (every stream busy: "
+                       f"{auto.busy_tokens_per_s / r.busy_tokens_per_s:.2f}x)" for r in against),
              "| budget | passes | tokens/s | vs best fixed | every stream busy: tokens/s | vs best fixed | tau "
              "| granted budgets (rounds) | predicted / realized accepted |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -236,7 +269,7 @@ def table(streams: int, runs: dict, rows: list[load_bench.LoadRow]) -> str:
         ratio = f"{r.predicted:.0f} / {r.accepted} = {r.predicted / r.accepted:.2f}" if r.accepted else "-"
         lines.append(f"| {r.budget} | {passes[r.budget]} | {r.tokens_per_s:.1f} | {r.tokens_per_s / best.tokens_per_s:.2f}x | "
                      f"{r.busy_tokens_per_s:.1f} | {r.busy_tokens_per_s / busiest.busy_tokens_per_s:.2f}x | "
-                     f"{r.tau or 0:.2f} | {granted} | {ratio if r.budget == 'auto' else '-'} |")
+                     f"{r.tau or 0:.2f} | {granted} | {ratio if _auto(r.budget) else '-'} |")
     for r in rows[1:]:
         n = passes[r.budget]
         if n < passes["auto"]:

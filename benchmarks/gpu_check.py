@@ -239,7 +239,8 @@ def run_streams(scheduler, prompts, tokens: int, budget, streams: int, device, o
 
 def calibrate(scheduler) -> None:
     """The budget policy's T(r), as the engine measures it at start-up (for budget "auto")."""
-    from ddtree.workers.policy import CostCurve, measure_step_cost
+    from ddtree.workers.calibration import measure_step_cost
+    from ddtree.workers.policy import CostCurve
     from ddtree.workers.scheduler import row_counts
 
     scheduler.policy.calibrate(CostCurve(measure_step_cost(scheduler, row_counts(129), repeats=2, dense_repeats=2)))

@@ -1,14 +1,14 @@
 """Does `budget: auto` price the trees it leaves out as well as the ones it verifies? After auto has
 learned on the mixed prompts, a fixed budget runs (every sequence drafts that many nodes every
 round) and each of its rounds' trees is priced by auto's own model -- the batch-wide factors per
-probability bin and the realized / predicted correction (workers.policy: `tree_gains`,
-`_corrected`) -- beside auto's own trees, priced alike. Predicted against realized accepted tokens,
+probability bin (workers.policy: `tree_gains`, `factors`), at the batch's factor 1 -- beside
+auto's own trees, priced alike. Predicted against realized accepted tokens,
 binned by the predicted, split by whether the tree holds a lookup chain, with the accepted
 tokens by source (drafter / lookup / both).
 
-The policy learns its factors and corrections only from the trees it verifies, so a bin where
-the fixed budget's trees take more than predicted is a gain the plan never sees: it leaves those
-sequences plain or gives them a node or two. Nothing in the policy's decisions changes: the
+The policy learns its factors from every node of the trees it drafts (once the committed tokens
+decide their paths), so the fixed budget's trees should take what they are priced at; a bin
+where they take more is a gain the plan never sees. Nothing in the policy's decisions changes: the
 pricing wraps `accepted_sources`, which the scheduler calls once a round.
 
 Same engine and prompts as benchmarks/budget_policy.py (mixed gsm8k-test / humaneval /
@@ -55,10 +55,11 @@ def main() -> None:
     def priced_sources(tree, path):
         out = sources(tree, path)
         if pricing["budget"] is not None and tree.size > 1:
-            nodes = policy_module.TreeNodes.of(tree)
-            raw = policy_module.tree_gains(nodes, policy.batch.factors())
-            predicted = policy._corrected(raw, policy_module._has_drafted(tree))[-1]
-            priced[pricing["budget"]].append((predicted, len(path) - 1, tree.size - 1, any(nodes.chain), out))
+            chain = tree.on_chain()
+            chain = chain[1:].tolist() if chain is not None else [False] * (tree.size - 1)
+            predicted = policy_module.tree_gains(tree.scores[1:].exp().tolist(), tree.depths[1:].tolist(), chain,
+                                                 policy.factors())[-1]
+            priced[pricing["budget"]].append((predicted, len(path) - 1, tree.size - 1, any(chain), out))
         return out
 
     scheduler_module.accepted_sources = priced_sources
@@ -93,7 +94,7 @@ def main() -> None:
                           f"{predicted:.2f} | {realized:.2f} | {realized / max(predicted, 1e-9):.2f} | {by_source} |")
                 low = high
     print("\nbatch-wide factors per bin (p >= .5, .2-.5, .05-.2, below): "
-          + ", ".join(f"{f:.2f}" for f in policy.batch.factors()) + f"; realized / predicted of drafted trees {policy.bias():.2f}")
+          + ", ".join(f"{f:.2f}" for f in policy.factors()))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ import torch
 
 from .config import cache_root
 from .workers.model import linear_route
-from .workers.policy import CostCurve, measurable, measure_step_cost, plausible
+from .workers.calibration import measurable, measure_step_cost, plausible
+from .workers.policy import CostCurve
 from .workers.scheduler import row_counts
 
 logger = logging.getLogger("ddtree")
@@ -49,7 +50,7 @@ def machine_key(engine, counts: list[int]) -> str:
 
 SPOT_COUNTS = (1, 17)  # the row counts a cached curve is checked at, each start ...
 SPOT_TOLERANCE = 2.0  # ... and how far off (either way) its points there may be before it is measured again
-ATTEMPTS = 3  # an implausible measurement (workers.policy.plausible) is taken again, this many times at most
+ATTEMPTS = 3  # an implausible measurement (workers.calibration.plausible) is taken again, this many times at most
 
 
 def agrees(cached: dict[int, float], spot: dict[int, float]) -> bool:

@@ -19,7 +19,7 @@ its `clock`:
   cut to the depths and top-k the scheduler asks for; it advances the clock by D(n) + c x the
   context rows the pass takes in.
 
-So the policy's start-up calibration (workers.policy.measure_step_cost, through the same
+So the policy's start-up calibration (workers.calibration.measure_step_cost, through the same
 backend) measures the cost model's T(r) -- `replay_scheduler` hands the policy that curve
 directly -- and every phase the scheduler times is the cost model's. The replay is lossless by construction: each result's tokens are checked against the
 trace's (`ReplayMismatch` otherwise: the replay or the scheduler is wrong).
@@ -41,7 +41,8 @@ from .load_bench import Throughput
 from .trace import Trace
 from .workers.batch_backends import DraftRows, TargetBatch, TargetStep
 from .workers.model import TreeBits
-from .workers.policy import CostCurve, measure_step_cost
+from .workers.calibration import measure_step_cost
+from .workers.policy import CostCurve
 from .workers.requests import Budget
 from .workers.scheduler import BatchLimits, Scheduler, row_counts
 from .kernels.sampling import draw_seed
@@ -265,31 +266,33 @@ class SimRow(Throughput):
 
 
 def replay_scheduler(trace: Trace, cost: CostModel, concurrency: int, max_step_tokens: int = 1024,
-                     lookup: bool = False, calibrate: bool = True, policy=None) -> Scheduler:
+                     lookup: bool = False, calibrate: bool = True, policy=None, scheduler_class=Scheduler) -> Scheduler:
     """A Scheduler over the replay backends and a virtual clock, room for `concurrency` sequences
     (its KV pool holds every one whole: a replay prices compute, not memory); with `calibrate`,
-    its policy's T(r) measured at start-up as the engine's is (workers.policy.measure_step_cost).
+    its policy's T(r) measured at start-up as the engine's is (workers.calibration.measure_step_cost).
     `policy`: the budget policy "auto" runs (the Scheduler's `policy`; a fresh BudgetPolicy by
-    default)."""
+    default); `scheduler_class`: the step loop (another revision's, benchmarks/policy_revision.py)."""
     clock = VirtualClock()
     longest = max(len(s.prompt) + s.max_tokens for s in trace.sequences)
     steps = max(max_step_tokens, concurrency)
     limits = BatchLimits(max_num_seqs=concurrency, max_step_tokens=steps,
                          kv_cache_tokens=concurrency * (longest + 2 * 129) + steps + 128)
-    scheduler = Scheduler(ReplayTarget(trace, cost, clock), ReplayDrafter(trace, cost, clock), 0, limits,
-                          policy=policy, lookup=lookup, clock=clock)
+    scheduler = scheduler_class(ReplayTarget(trace, cost, clock), ReplayDrafter(trace, cost, clock), 0, limits,
+                                policy=policy, lookup=lookup, clock=clock)
     if calibrate:  # what measure_step_cost through the replay target measures (tests/test_simulate.py), without its work
-        scheduler.policy.calibrate(CostCurve({r: cost.T(r) for r in row_counts(steps)}))
+        curve = type(scheduler.policy.verify)  # the policy's own module's CostCurve
+        scheduler.policy.calibrate(curve({r: cost.T(r) for r in row_counts(steps)}))
     return scheduler
 
 
 def simulate(trace: Trace, cost: CostModel, budget: Budget, concurrency: int, requests: int | None = None,
              lookup: bool = False, max_step_tokens: int = 1024, scheduler: Scheduler | None = None,
-             policy=None) -> SimRow:
+             policy=None, on_result=None) -> SimRow:
     """`requests` completions (default: max(2 x concurrency, the trace's sequences)), the trace's
     sequences in turn, over `concurrency` closed-loop streams -> the cell's row. Raises
     ReplayMismatch where a result's tokens are not the trace's. `policy`: a fresh budget policy
-    object for budget "auto" (replay_scheduler)."""
+    object for budget "auto" (replay_scheduler). `on_result(i, result)`: each completion of trace
+    sequence i, as it finishes."""
     scheduler = scheduler or replay_scheduler(trace, cost, concurrency, max_step_tokens, lookup,
                                               calibrate=budget == "auto", policy=policy)
     clock, drafter = scheduler.clock, scheduler.drafter
@@ -322,6 +325,8 @@ def simulate(trace: Trace, cost: CostModel, budget: Budget, concurrency: int, re
             if result.tokens != seqs[i].completion:
                 raise ReplayMismatch(f"trace sequence {i} replayed at budget {budget} to {result.tokens}, "
                                      f"recorded {seqs[i].completion}")
+            if on_result is not None:
+                on_result(i, result)
             row.requests += 1
             row.tokens += len(result.tokens)
             row.rounds += len(result.rounds)

@@ -150,13 +150,11 @@ def trace_of(model, drafter, requests: list[Request], completions: list[list[int
 
 
 def measured_costs(policy) -> dict:
-    """What the recording engine measured: its start-up T(r) ("step_seconds", calibrate's format)
-    and what the live steps taught the policy (the drafter's D(n), its seconds per context row,
-    the rest of a step)."""
-    seconds = lambda curve: {str(r): s for r, s in curve.points.items()}  # noqa: E731
-    return {"step_seconds": seconds(policy.shape), "live_step_seconds": seconds(policy.verify),
-            "draft_seconds": seconds(policy.draft), "context_row_s": policy.context_row_s,
-            "other_seconds": seconds(policy.other), "other_tree_seconds": seconds(policy.other_trees)}
+    """What the recording engine's policy measured: T(r) ("step_seconds", calibrate's format, as
+    the live steps left it) and its fits of the drafter's pass, D = d0 + d1 k + c R ("draft_fit":
+    [d0, d1, c]), and of the rest of a step, O = o0 + o1 B + o2 N ("rest_fit")."""
+    return {"step_seconds": {str(r): s for r, s in policy.verify.points.items()},
+            "draft_fit": list(policy.draft.w), "rest_fit": list(policy.rest.w)}
 
 
 def record(engine, texts: list[str], max_tokens: int, top_k: int, sampling: SamplingParams = SamplingParams(),

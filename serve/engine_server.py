@@ -248,7 +248,7 @@ class EngineServer:
     def _step_metrics(self, scheduler: Scheduler) -> None:
         stats = scheduler.stats()
         self.metrics.set_batch(running=len(scheduler.running), queued=len(scheduler.waiting),
-                               recalibrations=stats.get("recalibrations", 0), tree_rates=stats.get("tree_rates"))
+                               recalibrations=stats.get("recalibrations", 0))
 
     async def stream(self, body: dict) -> AsyncIterator[dict]:
         arrived = time.perf_counter()

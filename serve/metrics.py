@@ -59,8 +59,8 @@ class EngineMetrics:
             "ddtree_policy_accepted", description="Budget auto: drafted tokens a round accepted.",
             boundaries=ACCEPTED_BOUNDARIES, tag_keys=("model",)))
         self.policy_probes = tagged(metrics.Counter(
-            "ddtree_policy_probes", description="Budget auto: rounds that drafted to learn a sequence's gains "
-            "(a probe), not because they were predicted to pay.", tag_keys=("model",)))
+            "ddtree_policy_probes", description="Budget auto: rounds that drafted a sequence's first tree, its "
+            "acceptance still unknown.", tag_keys=("model",)))
         self.ttft = tagged(metrics.Histogram(
             "ddtree_time_to_first_token_seconds", description="Arrival to first token, seconds.",
             boundaries=LATENCY_BOUNDARIES_S, tag_keys=("model",)))
@@ -81,10 +81,6 @@ class EngineMetrics:
             "ddtree_policy_recalibrations", description="Budget auto: times the live steps contradicted the "
             "target's step-cost curve and the scheduler measured it again, since the replica started.",
             tag_keys=("model",)))
-        self.tree_rate = tagged(metrics.Gauge(
-            "ddtree_policy_tree_rate", description="Budget auto, per band of batch sizes: what its steps with "
-            "trees realized of the rate predicted for them, over what its plain steps realized of theirs (at "
-            "most 1; trees are weighed by it).", tag_keys=("model", "band")))
         self.kernel_backend = tagged(metrics.Gauge(
             "ddtree_kernel_backend_info", description="1 for the backends that run the target's linears and "
             "attention on this replica: linear float_mm / blocks_mm and attention tree_attention are ddtree's "
@@ -94,15 +90,12 @@ class EngineMetrics:
         self.queued_gauge.set(0)
         self.recalibrations.set(0)
 
-    def set_batch(self, running: int, queued: int, recalibrations: int = 0,
-                  tree_rates: dict[str, float] | None = None) -> None:
+    def set_batch(self, running: int, queued: int, recalibrations: int = 0) -> None:
         """The scheduler's batch after a step: sequences running, requests waiting, and the budget
-        policy's re-measurements so far and its `tree_rate` per band of batch sizes."""
+        policy's re-measurements so far."""
         self.running_gauge.set(running)
         self.queued_gauge.set(queued)
         self.recalibrations.set(recalibrations)
-        for band, rate in (tree_rates or {}).items():
-            self.tree_rate.set(rate, tags={"band": band})
 
     def set_kernels(self, backends) -> None:
         """The engine's workers.model.KernelBackends, from start-up on: set again every

@@ -10,9 +10,9 @@ from ddtree import calibrate
 from ddtree.config import ModelPairConfig, SamplingParams
 from ddtree.engine import Engine
 from ddtree.workers import model as target_model
-from ddtree.workers import policy
+from ddtree.workers import calibration as policy
 from ddtree.workers.drafter import DFlashDrafter
-from ddtree.workers.policy import measure_step_cost
+from ddtree.workers.calibration import measure_step_cost
 from ddtree.workers.scheduler import BatchLimits, Scheduler, row_counts
 
 

@@ -228,7 +228,7 @@ def test_trees_with_lookup_branches_leave_every_token_the_targets(tiny_checkpoin
             assert tokens == hf_greedy(hf, r.prompt, 24)
     chosen = RandomQ(seed=3) if policy == "random-q" else FixedCosts(CostCurve({1: 0.01, 200: 0.05}))
     if policy == "steep":
-        chosen.draft.observe(1, 10.0)  # a drafter pass costs 10 s: the policy never drafts after its probes
+        chosen.draft.observe(10.0, 1, 0)  # a drafter pass costs 10 s: the policy never drafts after its first look
     scheduler = Scheduler.local(target, drafter, "auto", BatchLimits(max_num_seqs=8, max_step_tokens=8 * 33),
                                 policy=chosen)
     results = scheduler.generate(requests)

@@ -231,7 +231,7 @@ def test_metrics_reach_prometheus_endpoint(server, client):
         "ray_ddtree_inter_token_latency_seconds_bucket", "ray_ddtree_round_phase_seconds_bucket",
         "ray_ddtree_requests_running", "ray_ddtree_requests_queued", "ray_ddtree_output_tokens_total",
         "ray_ddtree_accepted_tokens_by_source_total", "ray_ddtree_policy_probes_total",
-        "ray_ddtree_policy_recalibrations", "ray_ddtree_policy_tree_rate", "ray_ddtree_kernel_backend_info",
+        "ray_ddtree_policy_recalibrations", "ray_ddtree_kernel_backend_info",
     ]
     deadline, text = time.time() + 90, ""
     while time.time() < deadline:

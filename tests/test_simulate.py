@@ -15,7 +15,7 @@ from ddtree.config import SamplingParams
 from ddtree.simulate import CostModel, ReplayMismatch, Trace, replay_scheduler, simulate
 from ddtree.trace import TraceSequence, trace_of
 from ddtree.workers.drafter import DFlashDrafter
-from ddtree.workers.policy import measure_step_cost
+from ddtree.workers.calibration import measure_step_cost
 from ddtree.workers.requests import Request
 from ddtree.workers.scheduler import BatchLimits, Scheduler, row_counts
 
@@ -173,3 +173,18 @@ def test_the_shipped_trace_replays_losslessly():
     for budget in (16, "auto"):
         row = simulate(few, CostModel.load(COSTS / "h200-smollm2.json"), budget, 3, requests=3)
         assert row.requests == 3 and row.tau > 1.5
+
+
+def test_auto_is_never_below_plain_decoding_but_for_learning_each_sequence(recorded, accepting):
+    """Budget auto on a trace whose drafter is untrained (its trees seldom pay) and one whose
+    drafter knows the continuation, under a CPU-shaped and a GPU-shaped curve, at one and four
+    streams: where trees pay it is well above plain decoding; where they do not, it is below
+    plain by no more than what learning that costs -- a few drafter passes a sequence."""
+    for trace, name in ((recorded, "untrained"), (accepting, "oracle")):
+        for cost in (steep(), flat(packed=False)):
+            for streams in (1, 4):
+                auto, plain = (simulate(trace, cost, b, streams) for b in ("auto", 0))
+                learning = 3 * auto.requests * (cost.D(1) + cost.O(1, 16))
+                assert auto.seconds <= plain.seconds + learning, (name, cost.name, streams, auto.seconds, plain.seconds)
+                if name == "oracle" and cost.name == "flat":
+                    assert auto.tokens_per_s > 1.5 * plain.tokens_per_s

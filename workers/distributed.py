@@ -45,7 +45,8 @@ from .drafter import DFlashConfig, DFlashDrafter
 from .kv_pool import pool_memory
 from .loading import load_target_heads, load_target_weights, load_tokenizer
 from .model import ModelConfig, packs_rows
-from .policy import CostCurve, measure_step_cost
+from .calibration import measure_step_cost
+from .policy import CostCurve
 from .scheduler import BatchLimits, Scheduler, row_counts
 from .tensor_parallel import ShardSpec, TensorParallel
 

@@ -69,7 +69,7 @@ class RoundStats:
     transport_s: float = 0.0  # time in calls beyond the models' own work (Ray, serialization)
     budget: Budget | None = None  # the budget this round was granted (a batch may grant less than asked)
     predicted: float | None = None  # budget "auto": the accepted tokens the policy expected of this round
-    probe: bool = False  # budget "auto": it drafted as a probe (to learn its gains), not because they paid
+    probe: bool = False  # budget "auto": it drafted the sequence's first tree, its acceptance still unknown
     # accepted drafted tokens proposed by (the drafter alone, the lookup branch alone, both)
     accepted_sources: tuple[int, int, int] = (0, 0, 0)
     verify_rows: int = 0  # the rows its verify pass held for it: the tree padded to the step's Q

@@ -52,7 +52,8 @@ from .requests import (Budget, Request, Result, RoundStats, Update, accepted_sou
 from .kv_pool import PageAllocator, PoolFull, block_table
 from .lookup import BATCH_DECAY as LOOKUP_BATCH_DECAY, LookupCalibration, SequenceLookup
 from .model import TreeBits
-from .policy import BudgetPolicy, CostCurve, SequenceEstimate, by_bucket, measure_step_cost
+from .calibration import measure_step_cost
+from .policy import BudgetPolicy, CostCurve, PlanRow, RowReport, StepReport
 
 # Verify row counts Q a step may use: a budget-2^k tree (2^k + 1 rows) fills its bucket exactly.
 VERIFY_BUCKETS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, 513, 1025, 2049)
@@ -166,7 +167,6 @@ class _Sequence:
     features: PendingFeatures = field(default_factory=PendingFeatures)  # not yet given to the drafter
     drafting: bool = False  # the drafter holds a context cache for this sequence (set once prefilled)
     rounds: list[RoundStats] = field(default_factory=list)
-    estimate: SequenceEstimate | None = None  # budget "auto": what the policy knows of this sequence
     lookup: SequenceLookup | None = None  # lookup branches on: its context's n-grams and their calibration
     sent: int = 0  # output tokens already emitted
     prefill_s: float = 0.0
@@ -187,12 +187,14 @@ class _Row:
     nodes: int = 0  # drafted nodes: asked (a fixed budget's, cut by `grant`), drafted, then granted
     auto: bool = False  # budget "auto" and drafting: the policy plans whether it drafts and sizes its tree
     drafts: bool = False  # in this step's drafter pass
+    depth: int = 0  # an auto draft's depths (the policy's; a fixed budget drafts `nodes` depths)
+    explores: bool = False  # an auto sequence's first draft: its acceptance is unknown
     pending: int = 0  # target feature rows its draft would take in
     proposal: Candidates | None = None  # the drafter's candidates, where it drafted
     branch: Lookup | None = None  # its lookup branch, where it has one
     tree: Tree | None = None  # what it verifies (the root alone where it has nothing to verify)
     curve: list[float] | None = None  # an auto tree's expected accepted tokens by nodes (policy.curve)
-    gains: dict[int, float] | None = None  # a drafted auto tree's curve by verify bucket
+    predicted: float = 0.0  # an auto tree's expected accepted tokens at its granted nodes
     draft_s: float = 0.0  # its share of the drafter's pass
 
 
@@ -206,7 +208,6 @@ class StepPlan:
     context: int  # target feature rows the drafter's pass took in
     draft_s: float  # the drafter's pass and growing its trees: what the policy prices a draft at
     tree_s: float  # from the drafter's pass to the trees chosen
-    probed: set[int]  # ids of the sequences the policy probed
 
 
 @dataclass
@@ -275,7 +276,6 @@ class Scheduler:
         self.running: list[_Sequence] = []
         self._arrivals: deque[_Sequence] = deque()
         self._cancels: deque[int] = deque()
-        self._held = self._peak = 0  # sequences running at the last step, and the most since the batch last grew
         self._next_id = 0
         self.preemptions = 0  # sequences preempted so far (their pages freed, recomputed later)
         self.cancelled = 0  # sequences that left because their request was cancelled
@@ -314,8 +314,6 @@ class Scheduler:
             raise QueueFull(f"{self.limits.max_num_seqs} requests run and {self.limits.max_waiting} wait already")
         seq = _Sequence(self._next_id, request, budget, draw_seed(request.sampling), self.clock(), list(request.prompt),
                         topk=self.topk if request.topk is None else request.topk)
-        if budget == "auto":
-            seq.estimate = self.policy.sequence()
         if budget not in (0, "chain") and (self.lookup if request.lookup is None else request.lookup):
             seq.lookup = SequenceLookup(list(request.prompt), self.lookup_calibration)
         self._next_id += 1
@@ -448,23 +446,26 @@ class Scheduler:
         if not rows:
             return []
         outcome = self._execute(plan)
-        for row, path, n, bonus, features in zip(rows, outcome.paths, outcome.lengths, outcome.bonus,
-                                                 outcome.features or [None] * len(rows)):
-            self._commit(row, plan, outcome, path[:n], bonus, features)
-        rest_s = self.clock() - started - outcome.verify_s - plan.draft_s
-        nodes = sum(r.tree.size - 1 for r in rows)
-        self.policy.observe_step(len(rows), plan.q_len, outcome.verify_s, plan.drafted, plan.draft_s, rest_s,
-                                 nodes, plan.context)
-        if self.policy.misfit() and any(r.seq.budget == "auto" for r in rows):
-            self._recalibrate(len(rows) + nodes)
+        reports = [self._commit(row, plan, outcome, path[:n], bonus, features)
+                   for row, path, n, bonus, features in zip(rows, outcome.paths, outcome.lengths, outcome.bonus,
+                                                            outcome.features or [None] * len(rows))]
+        self._observe(plan, outcome, self.clock() - started, [r for r in reports if r is not None])
         return [r.seq for r in rows]
+
+    def _observe(self, plan: StepPlan, outcome: StepOutcome, step_s: float, rows: list[RowReport]) -> None:
+        """The policy learns from the step's outcome: its costs, and what each auto sequence
+        committed; T(r) is measured again where the live steps contradict it."""
+        nodes = sum(r.tree.size - 1 for r in plan.rows)
+        self.policy.observe(StepReport(len(plan.rows), plan.q_len, nodes, outcome.verify_s, plan.drafted,
+                                       plan.context, plan.draft_s, step_s - outcome.verify_s - plan.draft_s, rows))
+        if self.policy.misfit() and any(r.seq.budget == "auto" for r in plan.rows):
+            self._recalibrate(len(plan.rows) + nodes)
 
     def _plan(self, rows: list[_Row]) -> StepPlan:
         """4. Who drafts, the drafter's one pass over them, and each row's tree. Fixed budgets ask
         for their nodes (cut to the step's row limit, `grant`); the policy plans which auto
         sequences draft and how wide, then chooses each auto tree's nodes from what they drafted."""
         t0 = self.clock()
-        draining = self._draining()
         asked = [0 if r.seq.budget == "auto" else self._nodes(r.seq.budget) for r in rows]
         granted, q_max = grant(asked, self.limits)
         for r, nodes in zip(rows, granted):
@@ -477,26 +478,18 @@ class Scheduler:
         buckets = [q for q in VERIFY_BUCKETS if q_floor <= q <= q_max and q - 1 <= self.policy.cap] or [q_floor]
         most = buckets[-1] - 1
         auto = [r for r in rows if r.auto]
-        for r in auto:
-            r.seq.estimate.context = r.pending
-            r.seq.estimate.remaining = r.seq.request.max_tokens - len(r.seq.output)
         fixed_asked = sum(r.nodes for r in fixed)  # the fixed budgets' nodes, before their trees grow
-        baseline = self.policy.baseline_due(len(rows), fixed_asked)  # a plain step, to measure T(B)
-        estimates = [r.seq.estimate for r in auto]
-        drafts = (self.policy.rest(estimates) if baseline
-                  else self.policy.plan(len(rows), len(fixed), buckets, estimates, fixed_asked, draining))
-        probed = {auto[i].seq.id for i in self.policy.probed}
+        drafts = self.policy.plan(len(rows), buckets, [PlanRow(r.seq.id, r.pending) for r in auto], len(fixed),
+                                  fixed_asked)
         for r, d in zip(auto, drafts):
-            if d:  # each drafted tree grown as wide as the policy may grant it
-                r.drafts, r.nodes = True, r.seq.estimate.draft_width(most)
+            if d is not None:  # each drafted tree grown as wide as the policy may grant it
+                r.drafts, r.nodes, r.depth, r.explores = True, d.width, d.depth, d.explores
         drafting = [r for r in rows if r.drafts]
         self._draft(drafting)
         t1 = self.clock()
 
         # where nothing drafts, a chain too improbable to pay alone is not built or priced
-        floor = 0.0 if baseline or drafting or not estimates else self.policy.lookup_floor(len(rows), most * len(rows))
-        if not baseline:
-            self._lookup_branches(rows, floor)
+        self._lookup_branches(rows, 0.0 if drafting or not auto else self.policy.lookup_floor(len(rows)))
         # an auto sequence the plan left out verifies its lookup branch alone, if it has one
         auto_trees = [r for r in rows if (r.auto and r.drafts) or (r.branch is not None and r.seq.budget == "auto")]
         for r in auto_trees:
@@ -509,23 +502,18 @@ class Scheduler:
         # the policy prices a draft as the drafter's pass and growing its trees
         draft_s = (t1 - t0) + (self.clock() - t_grow if drafting else 0.0)
         for r in auto_trees:
-            r.curve = (self.policy.curve(r.tree, r.seq.estimate, most, root=len(r.seq.output) - 1)
-                       if r.proposal is not None else self.policy.chain_curve(r.branch, most))
+            r.curve = (self.policy.curve(r.seq.id, r.tree, most) if r.proposal is not None
+                       else self.policy.chain_curve(r.branch, most))
         if auto_trees:
             self._choose(rows, auto_trees, buckets, draft_s)
         for r in drafting:
             r.draft_s = (t1 - t0) / len(drafting)
-        for r in auto_trees:
-            # a tree verified without drafting (a lookup branch alone) says nothing of the gains
-            # drafting would bring: a sequence's estimated gains move only with its drafted trees
-            if r.proposal is not None:
-                r.gains = by_bucket(r.curve, buckets)
         # Q holds every tree, and a fixed budget's whole grant even where its tree came out smaller
         # (a topk-limited or short one): a static-shape verify pads to its budget
         q_len = bucket(max(max(r.tree.size for r in rows), max((1 + r.nodes for r in rows if r.drafts and not r.auto),
                                                                 default=1)))
         return StepPlan(rows, q_len, len(drafting), sum(r.pending for r in drafting),
-                        draft_s, self.clock() - t1, probed)
+                        draft_s, self.clock() - t1)
 
     def _draft(self, drafting: list[_Row]) -> None:
         """The drafter's one pass over the drafting rows: each takes in its pending target
@@ -538,7 +526,7 @@ class Scheduler:
             bonus=[r.seq.output[-1] for r in drafting],
             start=[r.seq.length for r in drafting],
             top_k=[kept_per_depth(r.seq.budget, r.nodes, r.seq.topk) for r in drafting],
-            depths=[r.seq.estimate.draft_depth(r.nodes) if r.auto else r.nodes for r in drafting],
+            depths=[r.depth if r.auto else r.nodes for r in drafting],
         ))
         for r, proposal in zip(drafting, proposals):
             r.seq.features.clear()
@@ -549,12 +537,11 @@ class Scheduler:
         lookup branch alone is grown to them)."""
         fixed_nodes = sum(r.tree.size - 1 for r in rows if r.curve is None)
         decision = self.policy.choose(len(rows), buckets, [r.curve for r in auto_trees], draft_s, fixed_nodes,
-                                      [r.seq.estimate.weight for r in auto_trees])
-        for r, nodes in zip(auto_trees, decision.nodes):
-            r.nodes = nodes
+                                      [r.seq.id if r.proposal is not None else None for r in auto_trees])
+        for r, nodes, predicted in zip(auto_trees, decision.nodes, decision.predicted):
+            r.nodes, r.predicted = nodes, predicted
             if r.proposal is not None:
                 r.tree = r.tree.prefix(nodes)
-                r.seq.estimate.depth, r.seq.estimate.nodes = int(r.tree.depths.max()), r.tree.size - 1
             elif nodes:
                 r.tree = grow_tree(r.seq.output[-1], None, nodes, r.branch)
 
@@ -621,42 +608,29 @@ class Scheduler:
         self.target.move(src, dst)
 
     def _commit(self, row: _Row, plan: StepPlan, outcome: StepOutcome, path: torch.Tensor, bonus: int,
-                features: torch.Tensor | None) -> None:
-        """7. One row's accepted tokens and bonus into its sequence; its round's statistics; the
-        policy's estimate of an auto sequence learns from what its tree accepted."""
+                features: torch.Tensor | None) -> RowReport | None:
+        """7. One row's accepted tokens and bonus into its sequence; its round's statistics. Returns
+        what an auto sequence committed, for the policy to learn from."""
         seq, tree, n = row.seq, row.tree, len(path)
         seq.length += n
         self.pool.shrink(seq.pages, seq.length + 1)
         if features is not None and (seq.budget != 0 or self.record_features):
             seq.features.add(features[None])
         before = len(seq.output)
-        if n > 1:
-            seq.output.extend(tree.tokens[path[1:]].tolist())
-        seq.output.append(bonus)
+        committed = tree.tokens[path[1:]].tolist() + [bonus]
+        seq.output.extend(committed)
         seq.finish_reason, seq.text = check_stop(seq.request, seq.output, self.decode)
         if seq.lookup is not None:  # what the request emitted: the path past a stop is not
             seq.lookup.observe(tree, path[: 1 + min(n - 1, len(seq.output) - before)].tolist())
         per_depth = tuple(torch.bincount(tree.depths)[1:].tolist()) if tree.size > 1 else ()
-        predicted, budget = None, row.nodes
-        if seq.budget == "auto" and seq.estimate is not None:
-            predicted = self.policy.observe_round(seq.estimate, tree, row.gains, path.tolist())
-            self.policy.hindsight(seq.estimate, seq.output, finished=seq.finish_reason is not None)
-        elif seq.budget == "chain" and row.nodes == self._nodes("chain"):
+        auto, budget = seq.budget == "auto", row.nodes
+        if seq.budget == "chain" and row.nodes == self._nodes("chain"):
             budget = "chain"
         seq.rounds.append(RoundStats(tree.size, n - 1, row.draft_s, plan.tree_s, outcome.verify_s, outcome.walk_s,
-                                     per_depth, budget=budget, predicted=predicted, probe=seq.id in plan.probed,
-                                     accepted_sources=accepted_sources(tree, path), verify_rows=plan.q_len))
-
-    def _draining(self) -> bool:
-        """Whether the batch drains at this step: no request waits, and it runs fewer sequences
-        (prefilling ones counted) than it did since it last grew. A closed loop that sends a
-        finished stream's next request before the next step keeps its batch whole until its
-        last requests are sent."""
-        held = sum(1 for s in self.running if s.finish_reason is None)
-        if held > self._held or held >= self._peak:
-            self._peak = held
-        self._held = held
-        return not self.waiting and not self._arrivals and held < self._peak
+                                     per_depth, budget=budget, predicted=row.predicted if auto else None,
+                                     probe=row.explores, accepted_sources=accepted_sources(tree, path),
+                                     verify_rows=plan.q_len))
+        return RowReport(seq.id, committed, seq.finish_reason is not None) if auto else None
 
     def _recalibrate(self, step_rows: int) -> None:
         """The target's T(r) measured again between two steps, where the live steps contradict
@@ -737,6 +711,7 @@ class Scheduler:
         return Update(new, seq.rounds[-1] if seq.rounds else None, result)
 
     def _retire(self, seq: _Sequence) -> None:
+        self.policy.drop(seq.id)
         self.running.remove(seq)
         self.pool.release(seq.pages)
         self._stop_drafting(seq)
@@ -748,6 +723,8 @@ class Scheduler:
 
     def abort_all(self) -> None:
         """Drops every sequence (after a failed step): their pages go back to the pool."""
+        for seq in [*self.running, *self.waiting]:
+            self.policy.drop(seq.id)
         for seq in self.running:
             self.pool.release(seq.pages)
             self._stop_drafting(seq)
@@ -762,6 +739,7 @@ class Scheduler:
                 self.cancelled += 1
         for seq in list(self.waiting):
             if seq.id == seq_id:
+                self.policy.drop(seq.id)
                 self.waiting.remove(seq)
                 self.cancelled += 1
 
@@ -770,4 +748,4 @@ class Scheduler:
         return {"running": len(self.running), "waiting": len(self.waiting) + len(self._arrivals),
                 "free_pages": self.pool.free_pages, "pages": self.pool.num_pages,
                 "preemptions": self.preemptions, "cancelled": self.cancelled,
-                "recalibrations": self.policy.recalibrations, "tree_rates": self.policy.tree_rates()}
+                "recalibrations": self.policy.recalibrations}
