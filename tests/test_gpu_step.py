@@ -89,8 +89,10 @@ def device_path(monkeypatch):
 
     @torch.library.custom_op("ddtree_test::paged_tree_attention", mutates_args=())
     def attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor,
-                  lengths: torch.Tensor, bits: torch.Tensor, page: int, rows: torch.Tensor | None) -> torch.Tensor:
-        return tk.paged_tree_attention_triton(q, k_pool, v_pool, table, lengths, bits, page, rows)
+                  lengths: torch.Tensor, bits: torch.Tensor, page: int, rows: torch.Tensor | None,
+                  batch_invariant: bool = False) -> torch.Tensor:
+        return tk.paged_tree_attention_triton(q, k_pool, v_pool, table, lengths, bits, page, rows,
+                                              batch_invariant=batch_invariant)
 
     attention.register_fake(lambda q, *args: torch.empty_like(q))
     monkeypatch.setattr(triton_support, "KERNELS_ON_CPU", True)
