@@ -112,14 +112,6 @@ PANELS: tuple[PanelSpec, ...] = (
         ((f"max by (replica) (ray_ddtree_policy_recalibrations{{{SELECTOR}}})", "{{replica}}"),),
     ),
     PanelSpec(
-        "Budget policy: trees weighed at", "percentunit",
-        "Budget auto, per band of batch sizes (1, 2-3, 4-7, ...): what its steps with trees realized of "
-        "the rate predicted for them, over what its plain steps realized of theirs; options with trees "
-        "are weighed at this (at most 1). Well below 1 means the policy's pieces (costs, gains) promise "
-        "trees more than the steps give, and that band drafts less.",
-        ((f"min by (band) (ray_ddtree_policy_tree_rate{{{SELECTOR}}})", "batch {{band}}"),),
-    ),
-    PanelSpec(
         "Round time by phase", "s",
         "Mean seconds per round in each phase: draft (drafter pass), tree (build), verify "
         "(target pass over the tree), commit (walk, KV compaction, stop checks).",
