@@ -25,6 +25,10 @@ from ddtree.kernels import triton_kernels as tk  # noqa: E402
 from ddtree.kernels.tree import Tree, build_tree  # noqa: E402
 from ddtree.kernels.tree_batch import TreeBatch, pack_bits  # noqa: E402
 
+# ~40 s under the interpreter on 2 cores: `make test` runs them, `make test-fast` (kept under 5
+# minutes) leaves them to it -- the deterministic route serves CUDA only.
+pytestmark = pytest.mark.slow
+
 DEVICE = os.environ.get("DDTREE_KERNEL_DEVICE", "cpu")
 ROW_COUNTS = (1, 2, 7, 17, 65)
 # tl.dot in bf16 runs compiled only (the interpreter's numpy has no bfloat16)
