@@ -1,12 +1,12 @@
 """What a neighbour's bursts of CPU cost the engine in process: aggregate tokens/s of `--streams`
-closed-loop streams alone, beside a process that keeps `--duty` of one core busy in bursts of
+closed-loop streams (`--requests` completions, ddtree.load_bench.run_inprocess) alone, beside a process that keeps `--duty` of one core busy in bursts of
 `--burst-ms` at nice 0, and beside the same process at nice 19, the three alternated `--rounds`
 times. On a machine whose cores the engine's threads all use, this is what the serving path's
 own work (ingress, proxy, client, Ray's daemons) can cost a step beyond its CPU time: the step's
 threads meet at a barrier after every parallel region, so a neighbour that takes one of them
 stops both (docs/deployment.md, "Cores").
 
-    python benchmarks/neighbour_load.py [--streams 8] [--seconds 20] [--duty 0.15] [--rounds 2]
+    python benchmarks/neighbour_load.py [--streams 8] [--requests 40] [--duty 0.15] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from budget_policy import mixed_prompts  # noqa: E402
 
-from ddtree.config import ModelPairConfig, SamplingParams  # noqa: E402
+from ddtree.config import ModelPairConfig  # noqa: E402
 from ddtree.engine import Engine  # noqa: E402
+from ddtree.load_bench import run_inprocess  # noqa: E402
 
 # a busy loop of `duty` of each `period` seconds, asleep the rest
 BURNER = """import sys, time
@@ -37,34 +37,10 @@ while True:
 """
 
 
-def closed_loop(engine: Engine, prompts: list[list[int]], streams: int, seconds: float, max_tokens: int) -> float:
-    """Aggregate tokens/s of `streams` sequences kept running (a finished one replaced by the next
-    prompt) for `seconds`, the last ones then run to their end."""
-    scheduler, queued, tokens = engine.scheduler, iter(prompts * 1000), 0
-    greedy = SamplingParams(temperature=0.0)
-
-    def add() -> None:
-        scheduler.add(engine.request(next(queued), max_tokens, greedy))
-
-    start = time.perf_counter()
-    for _ in range(streams):
-        add()
-    running = streams
-    while running:
-        for _, update in scheduler.step():
-            if update.result is not None:
-                tokens += len(update.result.tokens)
-                running -= 1
-                if time.perf_counter() - start < seconds:
-                    add()
-                    running += 1
-    return tokens / (time.perf_counter() - start)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=8)
-    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--requests", type=int, default=40, help="completions per measurement")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--budget", default="0", help="the engine's budget: 0 (plain decoding), chain, N or auto")
     parser.add_argument("--duty", type=float, default=0.15, help="the neighbour's busy share of one core")
@@ -75,7 +51,7 @@ def main() -> None:
     budget = args.budget if args.budget in ("auto", "chain") else int(args.budget)
     engine = Engine.from_config(ModelPairConfig(budget=budget, max_num_seqs=max(16, args.streams)))
     prompts = [engine.render_chat([{"role": "user", "content": t}]) for t in mixed_prompts(24)]
-    closed_loop(engine, prompts, args.streams, min(5.0, args.seconds), args.max_tokens)  # warm
+    run_inprocess(engine, prompts, budget, args.streams, args.streams, args.max_tokens)  # warm
     period = args.burst_ms / 1000 / args.duty
     rates: dict[str, list[float]] = {"alone": [], "nice 0": [], "nice 19": []}
     for _ in range(args.rounds):
@@ -86,7 +62,8 @@ def main() -> None:
                 neighbour = subprocess.Popen([sys.executable, "-c", BURNER, str(args.duty), str(period)],
                                              preexec_fn=lambda n=nice: os.nice(n))
             try:
-                rates[name].append(closed_loop(engine, prompts, args.streams, args.seconds, args.max_tokens))
+                rates[name].append(run_inprocess(engine, prompts, budget, args.streams, args.requests,
+                                                               args.max_tokens).tokens_per_s)
             finally:
                 if neighbour is not None:
                     neighbour.kill()
