@@ -152,6 +152,10 @@ def _serve(args: argparse.Namespace) -> int:
     from .serve.app import build_app
 
     options = _ray_init_options(args)
+    # Serve's HTTP proxy hands each request and its stream's events to the ingress over gRPC
+    # rather than through Ray's object store (less CPU a token; docs/deployment.md, "Cores").
+    # The local Ray's processes inherit it; a value the caller set is kept.
+    os.environ.setdefault("RAY_SERVE_PROXY_USE_GRPC", "1")
     ray.init(**options)
     # after ray.init, whose own SIGTERM handler would replace this one; before the app serves
     stop = threading.Event()

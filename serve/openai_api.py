@@ -493,7 +493,10 @@ class OpenAIIngress:
     def __init__(self, config: dict, engine: DeploymentHandle):
         self.config = ServeConfig.model_validate(config)
         self.model = self.config.served_name
-        self.engine = engine.options(stream=True)
+        # Each token a step emits is one stream item from the engine replica. By value over Serve's
+        # inter-deployment gRPC, not as an object in Ray's store: a stream item costs both
+        # replicas less CPU, which on a small node the engine's steps feel (docs/deployment.md).
+        self.engine = engine.options(stream=True, _by_reference=False)
         self.info = engine.model_info
         self.guard = Guard(self.config)
         self.readiness = EngineReadiness(self._ping)
