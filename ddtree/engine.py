@@ -100,6 +100,14 @@ def batch_limits(config: ModelPairConfig, model: ModelConfig, dtype: torch.dtype
                        tokens, config.kv_page_tokens)
 
 
+def check_graphs(config: ModelPairConfig, dev: torch.device) -> None:
+    """ValueError when `cuda_graphs: on` cannot be kept: the engine would run on `dev`, not CUDA,
+    or at tp > 1 (the config refuses what it can see alone; `device: auto` resolves here)."""
+    if config.cuda_graphs == "on" and (dev.type != "cuda" or config.tp > 1):
+        raise ValueError(f"cuda_graphs 'on' needs the in-process engine on CUDA; it runs on {dev.type} at tp "
+                         f"{config.tp}: set cuda_graphs 'auto' or 'off'")
+
+
 def graph_settings(config: ModelPairConfig, dev: torch.device, limits: BatchLimits,
                    capture_layers: tuple[int, ...]) -> GraphSettings | None:
     """What the engine captures as CUDA graphs (workers.graphs), from `cuda_graphs` and the
@@ -109,12 +117,8 @@ def graph_settings(config: ModelPairConfig, dev: torch.device, limits: BatchLimi
     return the drafter's layers (`capture_layers`).
 
     Example: cuda_graphs 'auto', CUDA, max_num_seqs 12 -> batch buckets (1, 2, 4, 8, 16)."""
-    if config.cuda_graphs == "off":
-        return None
-    if dev.type != "cuda" or config.tp > 1:
-        if config.cuda_graphs == "on":
-            raise ValueError(f"cuda_graphs 'on' needs the in-process engine on CUDA; it runs on {dev.type} at tp "
-                             f"{config.tp}: set cuda_graphs 'auto' or 'off'")
+    check_graphs(config, dev)
+    if config.cuda_graphs == "off" or dev.type != "cuda" or config.tp > 1:
         return None
     held = [b for b in BATCH_BUCKETS if b >= limits.max_num_seqs][:1]
     return GraphSettings(batch_buckets=tuple(b for b in BATCH_BUCKETS if b < limits.max_num_seqs) + tuple(held),
@@ -183,6 +187,7 @@ class Engine:
     @classmethod
     def from_config(cls, config: ModelPairConfig) -> "Engine":
         dtype = getattr(torch, config.dtype)
+        check_graphs(config, device(config))  # before minutes of loading
         backends = check_kernels(config)
         threads, why = engine_threads(config)
         torch.set_num_threads(threads)

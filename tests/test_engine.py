@@ -153,6 +153,9 @@ def test_cuda_graphs_auto_captures_on_cuda_only_and_on_refuses_elsewhere():
     assert graph_settings(ModelPairConfig(cuda_graphs="on"), cuda, BatchLimits(max_num_seqs=64), ()).batch_buckets[-1] == 64
     with pytest.raises(ValueError, match="cuda_graphs 'on' needs the in-process engine on CUDA"):
         graph_settings(ModelPairConfig(cuda_graphs="on"), cpu, limits, ())  # device auto, no GPU here
+    if not torch.cuda.is_available():  # the engine says it before loading a model (none is at this path)
+        with pytest.raises(ValueError, match="cuda_graphs 'on' needs the in-process engine on CUDA"):
+            Engine.from_config(ModelPairConfig(model="/no/such/model", cuda_graphs="on"))
     for bad in (dict(device="cpu"), dict(device="cuda", tp=2)):
         with pytest.raises(ValidationError, match="cuda_graphs 'on'"):
             ModelPairConfig(cuda_graphs="on", **bad)
