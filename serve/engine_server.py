@@ -164,9 +164,10 @@ class EngineServer:
             freeze_startup()
         self.created = int(time.time())
         self.metrics = EngineMetrics(self.config.served_name)
-        self.metrics.set_kernels(self.engine.backends, self.engine.graph_stats)
-        graphs = self.engine.graph_stats  # its eager steps so far: start-up's calibration, not counted
-        self._eager_steps = graphs.eager_steps if graphs is not None else 0  # what the metric has counted
+        graphs = self.engine.graph_stats  # None: no CUDA graphs
+        self.metrics.set_kernels(self.engine.backends, graphs)
+        # the graphs' eager steps the metric has counted: start-up's calibration's are not
+        self._eager_steps = graphs.eager_steps if graphs is not None else 0
         self.driver = BatchDriver(self.engine.scheduler, self.worker, self._step_metrics)
         logger.info(
             "ddtree engine ready: %s, budget %s, %d intra-op threads, linears %s, attention %s%s, %s, up to %d "
