@@ -15,7 +15,10 @@ JSON file and one text file (`--out`, default runs/gpu-check/).
    the memory bandwidth measured here (a device-to-device copy);
 6. oracle: that target with an oracle drafter (it knows the target's continuation, and ranks the
    true token first at each depth with the probability that gives tau about 3 and about 6) at
-   budgets 16/64/auto, 1 and 16 streams: tokens/s against plain decoding, tau, the same tokens.
+   budgets 16/64/auto, 1 and 16 streams: tokens/s against plain decoding, tau, the same tokens;
+7. nucleus: top_p over 16 x 65 rows of Qwen3's vocabulary, sharp and flat, the nucleus on the
+   device (no host read, every row's whole vocabulary ranked) against the one that reads back
+   the rows its 1024 candidates cannot decide: milliseconds and the same kept ids.
 
 A section that fails prints its traceback and the next one still runs; a section that would
 start past DEADLINE_S is left out (said in the results), so a lease's run ends in time.
@@ -442,6 +445,40 @@ def verify_cost(check: Check) -> dict:
             "targets": targets}
 
 
+# --- 7. top_p ---------------------------------------------------------------------------------
+
+
+def nucleus(check: Check) -> dict:
+    from ddtree.kernels import sampling
+
+    dev = check.device
+    rows, vocab = (40, 2000) if check.dry_run else (16 * 65, 151936)  # 16 streams x a 65-row tree, Qwen3's vocabulary
+    section(f"7. top_p over {rows} rows x {vocab} ids: the nucleus without a host read (the device path) against "
+            "the one that reads back the rows its candidates cannot decide")
+    g = torch.Generator(device=dev).manual_seed(0)
+    top_p = torch.full((rows,), 0.9, dtype=torch.float64, device=dev)
+    out, ok = [], True
+    print("| logits | undecided rows | host-read ms | device ms | same ids |")
+    print("|---|---|---|---|---|")
+    for name, scale in (("sharp", 8.0), ("flat", 0.3)):  # flat: the 1024 candidates hold less than top_p
+        probs = torch.softmax(torch.randn(rows, vocab, generator=g, device=dev, dtype=torch.float64) * scale, -1)
+        k = min(sampling.NUCLEUS_CANDIDATES, vocab)
+        undecided = int((probs.topk(k, dim=-1).values.sum(-1) < top_p).sum())
+        # _nucleus_rows is the step's nucleus (processed_probs_rows), each path chosen here
+        host = sampling._nucleus_rows(probs, top_p, on_device=False)
+        device = sampling._nucleus_rows(probs, top_p, on_device=True)
+        same = torch.equal(host, device)
+        ok &= same
+        host_ms = device_ms(lambda: sampling._nucleus_rows(probs, top_p, on_device=False), dev, check.sizes.timing_repeats)
+        device_path_ms = device_ms(lambda: sampling._nucleus_rows(probs, top_p, on_device=True), dev,
+                                   check.sizes.timing_repeats)
+        out.append({"logits": name, "undecided": undecided, "host_read_ms": host_ms, "device_ms": device_path_ms,
+                    "same": same})
+        print(f"| {name} | {undecided} | {host_ms:.2f} | {device_path_ms:.2f} | {same} |", flush=True)
+        del probs, host, device
+    return {"ok": ok, "rows": out}
+
+
 # --- 6. oracle --------------------------------------------------------------------------------
 
 
@@ -543,7 +580,7 @@ def oracle(check: Check) -> dict:
 # --- the run ----------------------------------------------------------------------------------
 
 SECTIONS = {1: ("kernels", kernels), 2: ("lossless", lossless), 3: ("deterministic", deterministic),
-            4: ("graphs", graphs), 5: ("verify_cost", verify_cost), 6: ("oracle", oracle)}
+            4: ("graphs", graphs), 5: ("verify_cost", verify_cost), 6: ("oracle", oracle), 7: ("nucleus", nucleus)}
 
 
 class Tee:
@@ -563,7 +600,7 @@ class Tee:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", default="1,2,3,4,5,6", help="the sections to run, e.g. 2,5")
+    ap.add_argument("--only", default="1,2,3,4,5,6,7", help="the sections to run, e.g. 2,5")
     ap.add_argument("--out", default=str(ROOT / "runs" / "gpu-check"), help="where gpu-check.json and .txt go")
     ap.add_argument("--dry-run", action="store_true", default=os.environ.get("DRY_RUN", "") not in ("", "0"),
                     help="every section on the CPU with tiny random models (CI)")

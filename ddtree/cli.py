@@ -15,9 +15,9 @@ from .flags import add_field_flags, field_values, flag_name
 
 # The flags that set config fields: each takes its type, default and help from the field.
 GENERATE_FIELDS = ("model", "drafter", "budget", "lookup", "topk", "max_tokens", "stop", "dtype", "weights", "tp",
-                   "deterministic")
+                   "deterministic", "cuda_graphs")
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed")
-SERVE_FIELDS = ("model", "drafter", "budget", "lookup", "topk", "deterministic")  # on top of --config's
+SERVE_FIELDS = ("model", "drafter", "budget", "lookup", "topk", "deterministic", "cuda_graphs")  # on top of --config's
 BENCH_FIELDS = ("model", "drafter", "dtype", "weights")
 
 
@@ -34,7 +34,8 @@ def _generate(args: argparse.Namespace) -> int:
         )
     except ValidationError as err:
         for e in err.errors():
-            print(f"ddtree generate: {flag_name(str(e['loc'][-1]))}: {e['msg']}", file=sys.stderr)
+            where = f"{flag_name(str(e['loc'][-1]))}: " if e["loc"] else ""  # a rule over several fields has none
+            print(f"ddtree generate: {where}{e['msg']}", file=sys.stderr)
         return 2
     from .engine import Engine, KernelsUnavailable  # heavy imports after the arguments are known to be valid
 

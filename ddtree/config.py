@@ -115,6 +115,26 @@ class ModelPairConfig(BaseModel):
         "(on the CPU, where ddtree's cannot run, oneDNN and SDPA, said at start-up, in /health and in the "
         "ddtree_kernel_backend_info metric; docs/cpu-kernels.md)."
     )
+    cuda_graphs: Literal["auto", "on", "off"] = Field(
+        "auto", description="Capture the target's padded verify forward as CUDA graphs at start-up, one per "
+        "(batch bucket, row bucket) over static buffers (workers.graphs; docs/gpu.md): a step then launches one "
+        "graph instead of every kernel of every layer. 'auto' = on when the engine runs on CUDA at tp 1, off "
+        "elsewhere; 'on' = on, and an error where it cannot be (a CPU device, tp > 1); 'off' = every verify "
+        "eager. A step outside the captured set (more sequences than max_num_seqs' bucket, a longer context "
+        "than cuda_graphs_max_context) runs eagerly, logged once per shape."
+    )
+    cuda_graphs_max_bytes: int = Field(
+        2 << 30, ge=0, description="The GPU memory capturing the graphs may take, in bytes; the buckets past it "
+        "(the smallest: the largest are captured first) run eagerly."
+    )
+    cuda_graphs_max_s: float = Field(
+        60.0, ge=0, description="The seconds capturing the graphs may take at start-up; the buckets past it run "
+        "eagerly."
+    )
+    cuda_graphs_max_context: int = Field(
+        4096, ge=1, description="Positions a graphed step's sequences may hold (the width of the graphs' block "
+        "tables); a step with a longer sequence runs eagerly."
+    )
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Extra variables for the chat template, as vLLM's `chat_template_kwargs` "
         "(e.g. {\"enable_thinking\": true}); a request's own are merged over these. None = the pair's "
@@ -169,6 +189,18 @@ class ModelPairConfig(BaseModel):
         if self.dtype != "float32" or self.device == "cuda" or self.tp != 1:
             raise ValueError("weights='native' runs in float32 on CPU in one process: set dtype 'float32', device "
                              "'cpu' (or 'auto' without a GPU) and tp 1, or use weights='float'")
+        return self
+
+    @model_validator(mode="after")
+    def _graphs_can_run(self):
+        if self.cuda_graphs != "on":
+            return self
+        if self.device == "cpu":
+            raise ValueError("cuda_graphs 'on' captures CUDA graphs, and device is 'cpu': set device 'cuda' (or "
+                             "'auto' on a machine with a GPU), or cuda_graphs 'auto' / 'off'")
+        if self.tp > 1:
+            raise ValueError("cuda_graphs 'on' captures the in-process engine's forward (tp 1); the tensor-parallel "
+                             "shards run eagerly: set tp 1, or cuda_graphs 'auto' / 'off'")
         return self
 
     @model_validator(mode="after")

@@ -22,6 +22,7 @@ import torch
 
 from .config import GenerateConfig, ModelPairConfig, SamplingParams
 from .workers.drafter import DFlashDrafter
+from .workers.graphs import BATCH_BUCKETS, GraphSettings, GraphStats
 from .workers.kv_pool import KVStorage, pool_memory
 from .workers.loading import LoadedTarget, load_target, load_tokenizer, target_directory
 from .workers.model import KernelBackends, ModelConfig, kernel_backends
@@ -99,6 +100,33 @@ def batch_limits(config: ModelPairConfig, model: ModelConfig, dtype: torch.dtype
                        tokens, config.kv_page_tokens)
 
 
+def check_graphs(config: ModelPairConfig, dev: torch.device) -> None:
+    """ValueError when `cuda_graphs: on` cannot be kept: the engine would run on `dev`, not CUDA,
+    or at tp > 1 (the config refuses what it can see alone; `device: auto` resolves here)."""
+    if config.cuda_graphs == "on" and (dev.type != "cuda" or config.tp > 1):
+        raise ValueError(f"cuda_graphs 'on' needs the in-process engine on CUDA; it runs on {dev.type} at tp "
+                         f"{config.tp}: set cuda_graphs 'auto' or 'off'")
+
+
+def graph_settings(config: ModelPairConfig, dev: torch.device, limits: BatchLimits,
+                   capture_layers: tuple[int, ...]) -> GraphSettings | None:
+    """What the engine captures as CUDA graphs (workers.graphs), from `cuda_graphs` and the
+    device the target runs on: None when it captures nothing ('off'; 'auto' off CUDA or at
+    tp > 1), ValueError for 'on' where graphs cannot run. The batch buckets stop at the first
+    one that holds max_num_seqs sequences, the largest step at max_step_tokens rows; the graphs
+    return the drafter's layers (`capture_layers`).
+
+    Example: cuda_graphs 'auto', CUDA, max_num_seqs 12 -> batch buckets (1, 2, 4, 8, 16)."""
+    check_graphs(config, dev)
+    if config.cuda_graphs == "off" or dev.type != "cuda" or config.tp > 1:
+        return None
+    held = [b for b in BATCH_BUCKETS if b >= limits.max_num_seqs][:1]
+    return GraphSettings(batch_buckets=tuple(b for b in BATCH_BUCKETS if b < limits.max_num_seqs) + tuple(held),
+                         max_bytes=config.cuda_graphs_max_bytes, max_s=config.cuda_graphs_max_s,
+                         max_rows=limits.max_step_tokens, max_context=config.cuda_graphs_max_context,
+                         capture_layers=tuple(capture_layers))
+
+
 class KernelsUnavailable(RuntimeError):
     """`deterministic: true` and no batch-invariant kernels can run the target here."""
 
@@ -159,6 +187,7 @@ class Engine:
     @classmethod
     def from_config(cls, config: ModelPairConfig) -> "Engine":
         dtype = getattr(torch, config.dtype)
+        check_graphs(config, device(config))  # before minutes of loading
         backends = check_kernels(config)
         threads, why = engine_threads(config)
         torch.set_num_threads(threads)
@@ -193,14 +222,22 @@ class Engine:
             ).to(device(config))
             engine = cls(config, target, None, drafter.block_size, backends=backends)
             limits = batch_limits(config, target.model.config, dtype, pool_memory(target.model.device))
+            graphs = graph_settings(config, target.model.device, limits, tuple(drafter.target_layer_ids))
             engine.scheduler = Scheduler.local(target.model, drafter, config.budget, limits, engine.decode,
-                                               lookup=config.lookup, topk=config.topk)
+                                               lookup=config.lookup, topk=config.topk, graphs=graphs)
             # the budget policy's T(r), for the deployment's budget or any request's "auto" (tp > 1:
             # the SchedulerActor measures it)
             from .calibrate import step_costs
 
             engine.scheduler.policy.calibrate(step_costs(engine))
         return engine
+
+    @property
+    def graph_stats(self) -> GraphStats | None:
+        """The captured verify graphs' count, seconds and bytes (workers.graphs), and the steps that
+        ran eagerly since; None when the engine captures none (`cuda_graphs`)."""
+        graphs = getattr(self.scheduler.target, "graphs", None) if isinstance(self.scheduler, Scheduler) else None
+        return graphs.stats if graphs is not None else None
 
     @property
     def budget(self) -> Budget:

@@ -164,14 +164,18 @@ class EngineServer:
             freeze_startup()
         self.created = int(time.time())
         self.metrics = EngineMetrics(self.config.served_name)
-        self.metrics.set_kernels(self.engine.backends)
+        graphs = self.engine.graph_stats  # None: no CUDA graphs
+        self.metrics.set_kernels(self.engine.backends, graphs)
+        # the graphs' eager steps the metric has counted: start-up's calibration's are not
+        self._eager_steps = graphs.eager_steps if graphs is not None else 0
         self.driver = BatchDriver(self.engine.scheduler, self.worker, self._step_metrics)
         logger.info(
-            "ddtree engine ready: %s, budget %s, %d intra-op threads, linears %s, attention %s%s, up to %d "
+            "ddtree engine ready: %s, budget %s, %d intra-op threads, linears %s, attention %s%s, %s, up to %d "
             "sequences at once, in %.1f s",
             self.config.served_name, self.engine.budget, torch.get_num_threads(), self.engine.backends.linear,
             self.engine.backends.attention,
             " (bitwise)" if self.engine.backends.bitwise else f" (fallback: {self.engine.backends.reason})",
+            f"{graphs.captured} CUDA graphs" if graphs is not None else "no CUDA graphs",
             self.config.max_num_seqs, time.perf_counter() - started,
         )
 
@@ -187,7 +191,16 @@ class EngineServer:
             "budget": self.engine.budget,
             # which backend runs the target's linears and attention (engine.check_kernels): /health says it
             "kernels": self.engine.backends.as_dict(),
+            # the verify forwards captured as CUDA graphs (engine.graph_settings), None when none are
+            "cuda_graphs": self.graph_info(),
         }
+
+    def graph_info(self) -> dict | None:
+        stats = self.engine.graph_stats
+        if stats is None:
+            return None
+        return {"captured": stats.captured, "capture_seconds": round(stats.seconds, 3), "memory_bytes": stats.bytes,
+                "left_out": [list(bucket) for bucket in stats.left_out], "eager_steps": stats.eager_steps}
 
     # --- request preparation ----------------------------------------------------------------
 
@@ -249,6 +262,10 @@ class EngineServer:
         stats = scheduler.stats()
         self.metrics.set_batch(running=len(scheduler.running), queued=len(scheduler.waiting),
                                recalibrations=stats.get("recalibrations", 0))
+        graphs = self.engine.graph_stats
+        if graphs is not None:
+            self.metrics.eager_steps(graphs.eager_steps - self._eager_steps)
+            self._eager_steps = graphs.eager_steps
 
     async def stream(self, body: dict) -> AsyncIterator[dict]:
         arrived = time.perf_counter()

@@ -86,6 +86,19 @@ class EngineMetrics:
             "attention on this replica: linear float_mm / blocks_mm and attention tree_attention are ddtree's "
             "bitwise CPU kernels; onednn, torch and sdpa are the fallback (docs/cpu-kernels.md).",
             tag_keys=("model", "linear", "attention", "bitwise")))
+        self.graphs_captured = tagged(metrics.Gauge(
+            "ddtree_cuda_graphs_captured", description="Verify forwards captured as CUDA graphs at start-up, one per "
+            "(batch bucket, row bucket) (0: cuda_graphs off, or not on CUDA).", tag_keys=("model",)))
+        self.graphs_seconds = tagged(metrics.Gauge(
+            "ddtree_cuda_graphs_capture_seconds", description="Seconds capturing the CUDA graphs took at start-up.",
+            tag_keys=("model",)))
+        self.graphs_bytes = tagged(metrics.Gauge(
+            "ddtree_cuda_graphs_memory_bytes", description="GPU memory the CUDA graphs hold, in bytes.",
+            tag_keys=("model",)))
+        self.graphs_eager = tagged(metrics.Counter(
+            "ddtree_cuda_graphs_eager_steps", description="Verify steps that ran eagerly, outside the captured "
+            "CUDA graphs (more sequences, other rows or a longer context than any graph holds).",
+            tag_keys=("model",)))
         self.running_gauge.set(0)
         self.queued_gauge.set(0)
         self.recalibrations.set(0)
@@ -97,18 +110,28 @@ class EngineMetrics:
         self.queued_gauge.set(queued)
         self.recalibrations.set(recalibrations)
 
-    def set_kernels(self, backends) -> None:
-        """The engine's workers.model.KernelBackends, from start-up on: set again every
-        KERNEL_INFO_REFRESH_S on a thread of its own, since a gauge that is not set again leaves
-        Ray's endpoint (a replica that served no request would lose it)."""
+    def set_kernels(self, backends, graphs=None) -> None:
+        """The engine's workers.model.KernelBackends and its CUDA graphs' workers.graphs.GraphStats
+        (None: none captured), from start-up on: set again every KERNEL_INFO_REFRESH_S on a
+        thread of its own, since a gauge that is not set again leaves Ray's endpoint (a replica
+        that served no request would lose it)."""
         tags = {"linear": backends.linear, "attention": backends.attention, "bitwise": str(backends.bitwise).lower()}
+        captured, seconds, size = (graphs.captured, graphs.seconds, graphs.bytes) if graphs is not None else (0, 0.0, 0)
 
         def refresh():
             while True:
                 self.kernel_backend.set(1, tags=tags)
+                self.graphs_captured.set(captured)
+                self.graphs_seconds.set(seconds)
+                self.graphs_bytes.set(size)
                 time.sleep(KERNEL_INFO_REFRESH_S)
 
         threading.Thread(target=refresh, name="ddtree-kernel-info", daemon=True).start()
+
+    def eager_steps(self, n: int) -> None:
+        """`n` more verify steps ran outside the captured CUDA graphs."""
+        if n:
+            self.graphs_eager.inc(n)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

@@ -503,9 +503,11 @@ class OpenAIIngress:
 
     @app.get("/health")
     async def health(self):
-        """200 {"status": "ok", "details": {"kernels": {"linear", "attention", "bitwise", "reason"}}}
+        """200 {"status": "ok", "details": {"kernels": {"linear", "attention", "bitwise", "reason"},
+        "cuda_graphs": {"captured", "capture_seconds", "memory_bytes", "left_out", "eager_steps"} | null}}
         when an engine replica answers: which backends run the target's linears and attention on
-        the replica that answered (engine.check_kernels; docs/cpu-kernels.md). Otherwise 503 with Retry-After and
+        the replica that answered (engine.check_kernels; docs/cpu-kernels.md), and the verify
+        forwards it captured as CUDA graphs (null: none; docs/gpu.md). Otherwise 503 with Retry-After and
         OpenAI's error shape beside a "status": "draining" (after SIGTERM), "loading" (no engine
         replica has answered this ingress yet: said at once while the first one builds the model;
         later, while one restarts) or "unavailable". Every answer comes within
@@ -519,7 +521,7 @@ class OpenAIIngress:
             info = await asyncio.wait_for(self._ping(), HEALTH_TIMEOUT_S)
         except Exception:
             return self._unhealthy(await self._engine_state())
-        return {"status": "ok", "details": {"kernels": info["kernels"]}}
+        return {"status": "ok", "details": {"kernels": info["kernels"], "cuda_graphs": info.get("cuda_graphs")}}
 
     def _unhealthy(self, state: str) -> JSONResponse:
         code, message = UNHEALTHY[state]

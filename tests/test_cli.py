@@ -42,6 +42,8 @@ def test_generate_json_lines_and_budget_invariance():
         (["--top-p", "1.5"], "--top-p: Input should be less than or equal to 1"),
         (["--max-tokens", "0"], "max-tokens"),
         (["--tp", "0"], "--tp: Input should be greater than or equal to 1"),
+        # a rule over two fields: its error has no field to name (it once crashed the CLI)
+        (["--cuda-graphs", "on", "--tp", "2"], "cuda_graphs 'on' captures the in-process engine's forward"),
     ],
 )
 def test_bad_arguments_get_a_clear_error(args, message):

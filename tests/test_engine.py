@@ -126,3 +126,73 @@ def test_a_tp2_cuda_engines_kv_pool_is_sized_by_its_shards_memory(tiny_checkpoin
     assert memory > 0
     expected = min(memory // per_shard, 4 * model.max_position_embeddings)
     assert batch_limits(config, model, torch.float64, memory).kv_cache_tokens == expected
+
+
+def test_cuda_graphs_auto_captures_on_cuda_only_and_on_refuses_elsewhere():
+    """`cuda_graphs` maps onto workers.graphs.GraphSettings: 'auto' captures on CUDA at tp 1
+    (batch buckets up to the first holding max_num_seqs, steps up to max_step_tokens rows, the
+    drafter's layers, the configured allowance) and nothing elsewhere; 'on' where graphs cannot
+    run is an error that names the field, from the config when its device says so, else from
+    the engine once the device is known; 'off' captures nothing."""
+    import torch
+    from pydantic import ValidationError
+
+    from ddtree.engine import graph_settings
+    from ddtree.workers.scheduler import BatchLimits
+
+    limits = BatchLimits(max_num_seqs=12, max_step_tokens=512)
+    auto = ModelPairConfig(cuda_graphs_max_bytes=1 << 20, cuda_graphs_max_s=5.0, cuda_graphs_max_context=1024)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    settings = graph_settings(auto, cuda, limits, (1, 3))
+    assert settings.batch_buckets == (1, 2, 4, 8, 16) and settings.max_rows == 512
+    assert (settings.max_bytes, settings.max_s, settings.max_context) == (1 << 20, 5.0, 1024)
+    assert settings.capture_layers == (1, 3)
+    assert graph_settings(auto, cpu, limits, (1, 3)) is None
+    assert graph_settings(ModelPairConfig(cuda_graphs="off"), cuda, limits, ()) is None
+    assert graph_settings(ModelPairConfig(device="cuda", tp=2), cuda, limits, ()) is None
+    assert graph_settings(ModelPairConfig(cuda_graphs="on"), cuda, BatchLimits(max_num_seqs=64), ()).batch_buckets[-1] == 64
+    with pytest.raises(ValueError, match="cuda_graphs 'on' needs the in-process engine on CUDA"):
+        graph_settings(ModelPairConfig(cuda_graphs="on"), cpu, limits, ())  # device auto, no GPU here
+    if not torch.cuda.is_available():  # the engine says it before loading a model (none is at this path)
+        with pytest.raises(ValueError, match="cuda_graphs 'on' needs the in-process engine on CUDA"):
+            Engine.from_config(ModelPairConfig(model="/no/such/model", cuda_graphs="on"))
+    for bad in (dict(device="cpu"), dict(device="cuda", tp=2)):
+        with pytest.raises(ValidationError, match="cuda_graphs 'on'"):
+            ModelPairConfig(cuda_graphs="on", **bad)
+
+
+def test_an_engine_on_the_cpu_captures_no_graphs(engine):
+    """`cuda_graphs: auto` (the default) on the CPU: the target runs every verify eagerly and
+    packed, and the engine reports no graphs."""
+    assert engine.config.cuda_graphs == "auto"
+    assert engine.scheduler.target.graph_settings is None and engine.scheduler.target.graphs is None
+    assert engine.scheduler.target.packs_rows and engine.graph_stats is None
+
+
+def test_a_graphed_engine_gives_plain_decoding(engine, tiny_chat_model, monkeypatch):
+    """The engine with its verify forwards captured: the settings `cuda_graphs` gives on CUDA
+    reach the engine's LocalBatchTarget (here the device is told to be CUDA, so the graphs are
+    workers.graphs' CPU stand-in, each bucket replaying the padded forward over its static
+    buffers), which pads every verify step instead of packing it; a greedy and a seeded request
+    at budget 8 give the tokens plain decoding gives, through replayed buckets."""
+    import torch
+
+    from ddtree import engine as engine_module
+
+    real = engine_module.graph_settings
+    monkeypatch.setattr(engine_module, "graph_settings", lambda config, dev, *args: real(config, torch.device("cuda"), *args))
+    graphed = Engine.from_config(ModelPairConfig(model=str(tiny_chat_model), budget=8, block_size=4, dtype="float64",
+                                                 max_num_seqs=2, max_step_tokens=34, cuda_graphs_max_context=64))
+    target = graphed.scheduler.target
+    assert target.graph_settings.batch_buckets == (1, 2) and target.graph_settings.max_rows == 34
+    assert target.graph_settings.capture_layers == tuple(graphed.scheduler.drafter.target_layer_ids)
+    assert not target.packs_rows and graphed.graph_stats is target.graphs.stats
+    assert graphed.graph_stats.captured == 13  # (1, 1 ... 33) and (2, 1 ... 17): 7 + 6 row buckets
+    prompt = engine.render_chat([{"role": "user", "content": "Tell me about trees."}])
+    requests = [engine.request(prompt, 10, SamplingParams()),
+                engine.request(prompt, 10, SamplingParams(temperature=0.8, top_p=0.9, seed=5))]
+    replays = graphed.graph_stats.replays
+    got = graphed.generate(requests)
+    assert [r.tokens for r in got] == [r.tokens for r in engine.generate([engine.request(prompt, 10, r.sampling, budget=0)
+                                                                          for r in requests])]
+    assert any(r.tree_size > 1 for res in got for r in res.rounds) and graphed.graph_stats.replays > replays

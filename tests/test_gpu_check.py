@@ -75,7 +75,7 @@ def test_the_gpu_check_runs_dry_on_the_cpu(tmp_path):
     and text, and every check in them passes: the kernels' tests, every output plain decoding's
     at 1 and 16 streams, the 16-stream outputs the lone ones under deterministic: true, the
     graphed steps' tokens the eager ones', a T(q) row per q, an oracle row per (streams, tau,
-    budget). What breaks the script breaks here, not minutes into a GPU lease."""
+    budget), the nucleus's two paths keeping the same ids. What breaks the script breaks here, not minutes into a GPU lease."""
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(BLOCKER)
@@ -86,7 +86,7 @@ def test_the_gpu_check_runs_dry_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     results = json.loads((out / "gpu-check.json").read_text())
     sections = results["sections"]
-    assert list(sections) == ["kernels", "lossless", "deterministic", "graphs", "verify_cost", "oracle"]
+    assert list(sections) == ["kernels", "lossless", "deterministic", "graphs", "verify_cost", "oracle", "nucleus"]
     assert results["dry_run"] and results["failed"] == [] and all(s["ok"] for s in sections.values())
     assert "passed" in sections["kernels"]["summary"]
     assert [(r["streams"], r["budget"]) for r in sections["lossless"]["rows"]] == [
@@ -95,4 +95,6 @@ def test_the_gpu_check_runs_dry_on_the_cpu(tmp_path):
     assert sections["graphs"]["captured"] == 14  # 5 batch x 3 row buckets, but not 16 x 65 > max_step_tokens and sections["graphs"]["replays"] > 0
     assert [r["q"] for r in sections["verify_cost"]["rows"]] == [1, 2, 3, 5, 9, 17, 33, 65, 129]
     assert len(sections["oracle"]["rows"]) == 2 * 2 * 3
+    assert [(r["logits"], r["same"]) for r in sections["nucleus"]["rows"]] == [("sharp", True), ("flat", True)]
+    assert sections["nucleus"]["rows"][1]["undecided"] > 0  # the flat rows take the whole-vocabulary path
     assert "every section passed" in (out / "gpu-check.txt").read_text()

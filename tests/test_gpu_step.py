@@ -32,7 +32,7 @@ def pair(tmp_path_factory):
 MIXED = [Request([5, 6, 7, 8, 9], 12, budget=16),
          Request([1, 2, 3], 12, sampling=SamplingParams(temperature=0.9, top_k=20, seed=4), budget=8),
          Request([9, 3], 12, budget=0),
-         Request([4, 4, 2], 12, sampling=SamplingParams(temperature=0.7, seed=11), budget=0)]
+         Request([4, 4, 2], 12, sampling=SamplingParams(temperature=0.7, top_p=0.8, seed=11), budget=0)]
 LIMITS = BatchLimits(max_num_seqs=4, kv_cache_tokens=256, kv_page_tokens=4)
 
 
@@ -58,12 +58,14 @@ def test_a_device_step_reads_the_device_once(pair, monkeypatch):
     """The device path's execute phase -- the padded forward over every tree, greedy and seeded
     choices, the walks, the moves of the accepted paths' KV rows, the step's outcome -- reads
     the device once (the packed paths, lengths and bonus tokens), at every decode step of a
-    batch of greedy and seeded requests at budgets 0, 8 and 16; its tokens are plain decoding's
-    on the CPU route.
+    batch of greedy and seeded requests (one with top_p) at budgets 0, 8 and 16; its tokens are
+    plain decoding's on the CPU route.
 
     Regression: the step read the walk back as three reads (paths, lengths, bonus tokens) and
     then built the KV moves on the host from them (a host tensor of slots copied back each
-    step): three stalls of the GPU per step where one is needed."""
+    step): three stalls of the GPU per step where one is needed. And a seeded request with
+    top_p read the device once more: the nucleus's rows that its candidates could not decide
+    were found with `nonzero`."""
     target, drafter = pair
     plain = Scheduler.local(target, drafter, 0, LIMITS).generate([Request(r.prompt, r.max_tokens, sampling=r.sampling)
                                                                   for r in MIXED])

@@ -99,6 +99,32 @@ def test_processed_probs_rows_are_each_rows_own_bit_for_bit(vocab):
         assert torch.equal(got[i : i + 1], want), (i, p)
 
 
+def test_the_device_nucleus_keeps_the_hosts_ids(monkeypatch):
+    """The nucleus without a host read (_nucleus_rows' device path: every row's whole vocabulary
+    ranked, kept where the candidates cannot decide) keeps bitwise the ids the host path keeps
+    (which reads the undecided rows back and ranks those alone): random rows, rows whose mass
+    sits below top_p within the candidates (flat ones), ties across the last candidate, equal
+    rows, top_p 1 beside tiny ones; rows in sorts of 3 (NUCLEUS_SORT_ROWS), the last one short."""
+    monkeypatch.setattr(sampling, "NUCLEUS_SORT_ROWS", 3)
+    vocab = 2000
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(11, vocab, generator=g, dtype=torch.float64) * 3
+    logits[1] = torch.randn(vocab, generator=g, dtype=torch.float64) * 0.01  # flat: the nucleus is wide
+    logits[2] = 0.5  # every probability equal
+    logits[3, 50:1500] = logits[3].max()  # ties across the candidates' boundary, at the top
+    logits[4, :] = logits[4].round()  # many ties everywhere
+    logits[5] = torch.randn(vocab, generator=g, dtype=torch.float64) * 0.3  # wide, below top_p within 1024
+    probs = torch.softmax(logits, dim=-1)
+    top_p = torch.tensor([0.9, 0.95, 0.5, 0.3, 0.99, 0.97, 1.0, 1e-9, 0.6, 0.999, 0.7], dtype=torch.float64)
+    k = sampling.NUCLEUS_CANDIDATES
+    assert (probs.topk(k, dim=-1).values.sum(-1) < top_p).sum() >= 3  # undecided by the candidates
+    host = sampling._nucleus_rows(probs, top_p, on_device=False)
+    device = sampling._nucleus_rows(probs, top_p, on_device=True)
+    assert torch.equal(device, host)
+    for i in range(len(probs)):  # and each is the one-request rule's nucleus
+        assert torch.equal(host[i] > 0, sampling._nucleus(probs[i : i + 1], float(top_p[i]))[0] > 0), i
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_a_steps_seeded_nodes_are_drawn_at_once(monkeypatch, packed):
     """The step's choice drew each seeded row's nodes in a Python loop over rows, with host reads

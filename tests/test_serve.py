@@ -41,10 +41,12 @@ CHAT = CHAT_SAMPLE
 def test_health_and_models(server, client):
     """/health's details say which backends run the replica's linears and attention: the tiny
     fp32 model on the CPU runs ddtree's bitwise kernels where they are built (conftest builds
-    them, as `make install` does), the float64 app the torch fallback, and says why."""
+    them, as `make install` does), the float64 app the torch fallback, and says why; and that
+    the CPU replica captured no CUDA graphs (`cuda_graphs: auto`)."""
     health = httpx.get(server["base"] + "/health")
     assert health.status_code == 200
     assert health.json()["details"]["kernels"] == kernel_backends(torch.float32, "cpu").as_dict()
+    assert health.json()["details"]["cuda_graphs"] is None
     sharded = httpx.get(server["base"] + "/sharded/health").json()["details"]["kernels"]
     assert sharded["bitwise"] is False and sharded["linear"] == "torch" and "float64" in sharded["reason"]
     models = client.models.list()
@@ -232,6 +234,8 @@ def test_metrics_reach_prometheus_endpoint(server, client):
         "ray_ddtree_requests_running", "ray_ddtree_requests_queued", "ray_ddtree_output_tokens_total",
         "ray_ddtree_accepted_tokens_by_source_total", "ray_ddtree_policy_probes_total",
         "ray_ddtree_policy_recalibrations", "ray_ddtree_kernel_backend_info",
+        "ray_ddtree_cuda_graphs_captured", "ray_ddtree_cuda_graphs_capture_seconds",
+        "ray_ddtree_cuda_graphs_memory_bytes",
     ]
     deadline, text = time.time() + 90, ""
     while time.time() < deadline:

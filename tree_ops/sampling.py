@@ -21,6 +21,8 @@ from typing import Protocol
 
 import torch
 
+from . import triton_support
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -109,6 +111,9 @@ def processed_probs(logits: torch.Tensor, params: SamplingLike) -> torch.Tensor:
 
 
 NUCLEUS_CANDIDATES = 1024
+# rows one sort of whole vocabularies holds on the device path of _nucleus_rows (its memory: this
+# many rows' probabilities, sorted ids and running sums)
+NUCLEUS_SORT_ROWS = 64
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -184,12 +189,21 @@ def processed_probs_rows(logits: torch.Tensor, rows: RowSampling) -> torch.Tenso
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def _nucleus_rows(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def _nucleus_rows(probs: torch.Tensor, top_p: torch.Tensor, on_device: bool | None = None) -> torch.Tensor:
     """_nucleus of rows [N, V] with their own top_p [N] (rows at 1 kept whole), batched: the
     rows' NUCLEUS_CANDIDATES largest, ranked (probability descending, id ascending); the rows
     whose nucleus those cannot decide -- their mass stays below top_p, or more ids tie the last
     candidate than it holds -- rank their whole vocabulary instead. The same kept ids as _nucleus:
-    a candidate prefix ranks and sums as the whole vocabulary's prefix does."""
+    a candidate prefix ranks and sums as the whole vocabulary's prefix does.
+
+    Which rows are undecided is a value on the device. The host path (`on_device` False) reads
+    it back and ranks those rows alone; the device path (True) reads nothing: it ranks every
+    row's whole vocabulary, NUCLEUS_SORT_ROWS rows a sort, and keeps that ranking's nucleus where
+    the row is undecided -- more work, no wait for the device. None: the device path for tensors
+    off the CPU and where the engine's device path runs on the CPU (triton_support.KERNELS_ON_CPU),
+    the host path on the CPU."""
+    if on_device is None:
+        on_device = probs.device.type != "cpu" or triton_support.KERNELS_ON_CPU
     k = min(NUCLEUS_CANDIDATES, probs.shape[-1])
     values, ids = probs.topk(k, dim=-1)
     ids, by_id = ids.sort(dim=-1)  # ascending ids, so that the stable sort ranks ties by id
@@ -199,13 +213,25 @@ def _nucleus_rows(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     inside = (mass - sorted_p) < top_p[:, None]
     kept = torch.zeros_like(probs, dtype=torch.bool).scatter_(-1, ranked, inside)
     undecided = ((mass[:, -1] < top_p) | ((probs >= sorted_p[:, -1:]).sum(-1) > k)) & (top_p < 1.0)
-    rows = undecided.nonzero().view(-1)  # one host read for the call
-    if len(rows):
-        sorted_p, order = probs[rows].sort(dim=-1, descending=True, stable=True)
-        inside = (sorted_p.cumsum(-1) - sorted_p) < top_p[rows, None]
-        kept[rows] = torch.zeros_like(sorted_p, dtype=torch.bool).scatter_(-1, order, inside)
+    if on_device:
+        for lo in range(0, probs.shape[0], NUCLEUS_SORT_ROWS):
+            hi = lo + NUCLEUS_SORT_ROWS
+            whole = _whole_nucleus(probs[lo:hi], top_p[lo:hi])
+            kept[lo:hi] = torch.where(undecided[lo:hi, None], whole, kept[lo:hi])
+    else:
+        rows = undecided.nonzero().view(-1)  # one host read for the call
+        if len(rows):
+            kept[rows] = _whole_nucleus(probs[rows], top_p[rows])
     kept |= (top_p >= 1.0)[:, None]
     return probs.masked_fill(~kept, 0.0)
+
+
+def _whole_nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """[M, V] bool: each row's nucleus, its whole vocabulary ranked (probability descending, id
+    ascending). probs [M, V], top_p [M]."""
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+    inside = (sorted_p.cumsum(-1) - sorted_p) < top_p[:, None]
+    return torch.zeros_like(sorted_p, dtype=torch.bool).scatter_(-1, order, inside)
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

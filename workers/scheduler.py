@@ -50,6 +50,7 @@ from .batch_backends import BatchDrafter, BatchTarget, DraftRows, LocalBatchDraf
 from .requests import (Budget, Request, Result, RoundStats, Update, accepted_sources, check_budget, check_request, check_stop,
                        kept_per_depth, tree_rows)
 from .kv_pool import PageAllocator, PoolFull, block_table
+from .graphs import GraphSettings
 from .lookup import BATCH_DECAY as LOOKUP_BATCH_DECAY, LookupCalibration, SequenceLookup
 from .model import TreeBits
 from .calibration import measure_step_cost
@@ -285,9 +286,13 @@ class Scheduler:
     @classmethod
     def local(cls, model, drafter=None, budget: Budget = 0, limits: BatchLimits = BatchLimits(),
               decode: Callable[[list[int]], str] | None = None, policy: BudgetPolicy | None = None,
-              lookup: bool = False, topk: int | None = None, record_features: tuple[int, ...] = ()) -> "Scheduler":
-        """Over a TargetModel and an optional Proposer (workers.drafter) in this process."""
-        return cls(LocalBatchTarget(model), LocalBatchDrafter(drafter) if drafter is not None else None,
+              lookup: bool = False, topk: int | None = None, record_features: tuple[int, ...] = (),
+              graphs: GraphSettings | None = None) -> "Scheduler":
+        """Over a TargetModel and an optional Proposer (workers.drafter) in this process; with
+        `graphs`, the target's padded verify forwards captured (workers.graphs) and every verify
+        step padded, not packed (the forward the graphs hold)."""
+        target = LocalBatchTarget(model, packs_rows=False if graphs is not None else None, graphs=graphs)
+        return cls(target, LocalBatchDrafter(drafter) if drafter is not None else None,
                    budget, limits, decode, policy, lookup, topk, record_features)
 
     # --- the requests' side ---------------------------------------------------------------------
