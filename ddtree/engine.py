@@ -101,11 +101,11 @@ def batch_limits(config: ModelPairConfig, model: ModelConfig, dtype: torch.dtype
 
 
 def check_graphs(config: ModelPairConfig, dev: torch.device) -> None:
-    """ValueError when `cuda_graphs: on` cannot be kept: the engine would run on `dev`, not CUDA,
-    or at tp > 1 (the config refuses what it can see alone; `device: auto` resolves here)."""
-    if config.cuda_graphs == "on" and (dev.type != "cuda" or config.tp > 1):
-        raise ValueError(f"cuda_graphs 'on' needs the in-process engine on CUDA; it runs on {dev.type} at tp "
-                         f"{config.tp}: set cuda_graphs 'auto' or 'off'")
+    """ValueError when `cuda_graphs: on` cannot be kept: the engine would run on `dev`, not CUDA
+    (the config refuses a CPU device and tp > 1 itself; `device: auto` resolves only here)."""
+    if config.cuda_graphs == "on" and dev.type != "cuda":
+        raise ValueError(f"cuda_graphs 'on' needs the in-process engine on CUDA; it runs on {dev.type}: set "
+                         "cuda_graphs 'auto' or 'off'")
 
 
 def graph_settings(config: ModelPairConfig, dev: torch.device, limits: BatchLimits,
