@@ -287,15 +287,57 @@ def round_json(r) -> dict:
             "accepted_path": r.path, "bonus": r.bonus}
 
 
+class Checkpoint:
+    """The completions an audit has run so far, so that an interrupted audit resumes where it
+    stopped. With a path they live in a JSON-lines file: a first line naming the audit (its
+    prompts, length, dtype, what is audited and against what), then a line per completion as it
+    is compared. A file naming another audit is refused rather than mixed in; a last line cut short
+    by the interruption is dropped from it."""
+
+    def __init__(self, path: Path | None, identity: dict):
+        self.path = Path(path) if path is not None else None
+        self.done: dict[str, list[int]] = {}
+        if self.path is None:
+            return
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        if not lines:
+            self.path.write_text(json.dumps(identity) + "\n")
+            return
+        if json.loads(lines[0]) != identity:
+            raise ValueError(f"{self.path} holds the completions of another audit ({lines[0]}); "
+                             f"remove it or name another --checkpoint")
+        kept = lines[:1]
+        for line in lines[1:]:
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                break
+            self.done[entry["key"]] = entry["tokens"]
+            kept.append(line)
+        if len(kept) < len(lines) or not self.path.read_text().endswith("\n"):
+            self.path.write_text("\n".join(kept) + "\n")  # what follows appends whole lines
+
+    def get(self, key: str) -> list[int] | None:
+        return self.done.get(key)
+
+    def put(self, key: str, tokens: list[int]) -> None:
+        self.done[key] = tokens
+        if self.path is not None:
+            with self.path.open("a") as f:
+                f.write(json.dumps({"key": key, "tokens": tokens}) + "\n")
+
+
 def run_audit(engine, prompts: list[list[int]], settings: list[Setting], max_tokens: int,
               progress: Callable[[], None] = lambda: None, dump_dir: Path | None = None,
-              served: ServedOutputs | None = None, greedy_reference: TransformersReference | None = None) -> AuditReport:
+              served: ServedOutputs | None = None, greedy_reference: TransformersReference | None = None,
+              checkpoint: Path | None = None) -> AuditReport:
     """Runs every setting over every prompt on `engine` (in process), or on `served` (a running
     server), and compares each output with the same request's plain decoding alone by `engine`
     (PlainReference), or for greedy cells by `greedy_reference`. `progress` is called once per
     completion run. With `dump_dir` (in process only), a batch that diverged runs again recording
     its verify passes, and each difference's round (tree, padding, mask, positions, accepted path)
-    is written there as JSON."""
+    is written there as JSON. With `checkpoint` (a file), every completion is kept there as it is
+    compared, and the completions it already holds are not run again (Checkpoint)."""
     if served is not None and dump_dir is not None:
         raise ValueError("a dump records the engine's rounds in process; a server's cannot be recorded")
     plain = PlainReference(engine)
@@ -315,15 +357,25 @@ def run_audit(engine, prompts: list[list[int]], settings: list[Setting], max_tok
         return [r.tokens for r in engine.generate(
             [request(i, setting.seeded, setting.budget, setting.topk, setting.lookup) for i in batch])]
 
+    store = Checkpoint(checkpoint, {"prompts": prompts, "max_tokens": max_tokens, "dtype": report.dtype,
+                                    "audited": report.audited, "references": report.references,
+                                    "pair": engine.config.model_dump(mode="json", include={"model", "drafter", "weights"})})
     references: dict[tuple[int, bool], list[int]] = {}
     for seeded in sorted({s.seeded for s in settings}):
         for i in range(len(prompts)):  # plain decoding, one request alone
-            references[i, seeded] = chosen[seeded].tokens(request(i, seeded))
+            key = f"reference, {'seeded' if seeded else 'greedy'}, prompt {i}"
+            if store.get(key) is None:
+                store.put(key, chosen[seeded].tokens(request(i, seeded)))
+            references[i, seeded] = store.get(key)
             progress()
     for setting in settings:
         for start in range(0, len(prompts), setting.streams):
             batch = list(range(start, min(start + setting.streams, len(prompts))))
-            for i, tokens in zip(batch, audited(setting, batch)):
+            keys = [f"{setting.label}, prompt {i}" for i in batch]
+            if any(store.get(k) is None for k in keys):  # a batch runs whole: its streams share the steps
+                for k, tokens in zip(keys, audited(setting, batch)):
+                    store.put(k, tokens)
+            for i, tokens in zip(batch, [store.get(k) for k in keys]):
                 progress()
                 report.compared += 1
                 reference = references[i, setting.seeded]

@@ -266,7 +266,8 @@ def _audit(args: argparse.Namespace) -> int:
     with tqdm(total=runs, desc="completions", unit="run") as bar:
         try:
             report = audit.run_audit(engine, prompts, settings, args.max_tokens, progress=lambda: bar.update(1),
-                                     dump_dir=args.dump, served=served, greedy_reference=greedy_reference)
+                                     dump_dir=args.dump, served=served, greedy_reference=greedy_reference,
+                                     checkpoint=args.checkpoint)
         except ValueError as err:  # the server renders the prompts otherwise
             print(f"ddtree audit: {err}", file=sys.stderr)
             return 2
@@ -713,6 +714,8 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("--json", help="write the summary and every difference here")
     aud.add_argument("--dump", help="a folder: each difference's round (tree, padding, mask, positions, accepted "
                      "path) as JSON, from the diverging batch run again (in process only)")
+    aud.add_argument("--checkpoint", help="a file: every completion is kept there as it is compared, and an audit "
+                     "started again with the same file and grid runs only what it does not hold yet")
     aud.add_argument("--url", help="audit a running server (e.g. http://127.0.0.1:8000) through the openai client "
                      "instead of the engine in process; the reference still decodes here, so give the server's "
                      "--model (and --drafter, --dtype, --weights)")

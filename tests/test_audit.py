@@ -119,3 +119,40 @@ def test_the_transformers_reference_is_transformers_greedy_decoding(tiny_chat_mo
     assert code == 0, summary["differences"]
     assert summary["references"] == {"greedy": "transformers generate (greedy)", "seeded": "ddtree plain decoding"}
     assert summary["compared"] == 2 * 4 and summary["real"] == 0
+
+
+def test_an_interrupted_audit_resumes_from_its_checkpoint(tiny_chat_model, tmp_path):
+    """An audit of a whole prompt file takes a quarter hour a file on 2 cores, and one stopped
+    near its end had to start again. With a checkpoint, an audit started again runs only the
+    completions the file does not hold yet (a batch whole, its streams share the steps): cut the
+    file after its fifth completion and in the middle of the sixth's line, and the rerun
+    generates the rest -- no more -- and reports what the uninterrupted audit reported. A file
+    written by another audit (another length) is refused, not mixed in."""
+    from ddtree.config import ModelPairConfig
+    from ddtree.engine import Engine
+
+    engine = Engine.from_config(ModelPairConfig(model=str(tiny_chat_model), budget=0, block_size=4, max_num_seqs=2))
+    prompts = [engine.render_chat([{"role": "user", "content": p}]) for p in PROMPTS[:3]]
+    settings = audit.grid([0, 8], [None], [False], [False], [1, 2])
+    path = tmp_path / "audit.ckpt"
+    whole = audit.run_audit(engine, prompts, settings, 6, checkpoint=path)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 1 + 3 + 3 * len(settings)  # the audit's name, 3 references, every completion
+    path.write_text("\n".join(lines[:6]) + "\n" + lines[6][:10])  # 3 references and 2 completions kept
+
+    generated = []
+    real_generate = engine.generate
+
+    def counting_generate(requests):
+        generated.append(len(requests))
+        return real_generate(requests)
+
+    engine.generate = counting_generate
+    resumed = audit.run_audit(engine, prompts, settings, 6, checkpoint=path)
+    assert resumed.summary() == whole.summary()
+    # budget 0 at 1 stream: prompt 2 alone; then the 3 other settings' 3 completions each
+    # (batches of 1, 2 + 1, 1 + 1 + 1 and 2 + 1 requests)
+    assert sum(generated) == 1 + 3 * 3
+    assert path.read_text().splitlines() == lines  # the cut line dropped and written again, nothing twice
+    with pytest.raises(ValueError, match="another audit"):
+        audit.run_audit(engine, prompts, settings, 5, checkpoint=path)
