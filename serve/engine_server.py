@@ -71,13 +71,19 @@ class TextDeltas:
 
 
 class BatchDriver:
-    """Feeds a Scheduler from asyncio. `stream` adds a request and yields its updates; one task
-    runs `scheduler.step()` on the worker thread while there is work and hands each update to
-    its request's queue. `leave` ends a request's stream: a sequence that has not finished (its
-    client left) is cancelled."""
+    """Feeds a Scheduler from asyncio. `stream` adds a request and yields its updates; the worker
+    thread runs `scheduler.step()` back to back while there is work and hands each step's updates
+    to the event loop, which puts each in its request's queue. `leave` ends a request's stream: a
+    sequence that has not finished (its client left) is cancelled.
+
+    The steps do not wait for the event loop: while it sends one step's updates on (a Ray stream
+    item per request), the next step already runs. Were each step started from the loop, every
+    step would begin only once the loop had sent the last one's items, and the engine would idle
+    for that long each step, the longer the more streams it serves."""
 
     def __init__(self, scheduler: Scheduler, worker: ThreadPoolExecutor, on_step=None):
-        self.scheduler, self.worker, self.on_step = scheduler, worker, on_step
+        self.scheduler, self.worker = scheduler, worker
+        self.on_step = on_step  # called on the worker thread after every step, with the scheduler
         # the queues of the requests not yet finished, failed or left
         self.queues: dict[int, asyncio.Queue] = {}
         self.wake: asyncio.Event | None = None
@@ -129,22 +135,30 @@ class BatchDriver:
                 await self.wake.wait()
                 continue
             try:
-                updates = await loop.run_in_executor(self.worker, self.scheduler.step)
+                await loop.run_in_executor(self.worker, self._steps, loop)
             except Exception as err:  # a failed step fails every request in flight, not the replica
                 logger.exception("ddtree engine step failed; ending the requests in flight")
                 self.scheduler.abort_all()
                 for queue in self.queues.values():
                     queue.put_nowait(err)
                 self.queues.clear()
-                continue
+
+    def _steps(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the worker thread: steps while there is work, each step's updates handed to the loop
+        (in step order, before this call's own end or error reaches it)."""
+        while self.scheduler.has_work:
+            updates = self.scheduler.step()
             if self.on_step is not None:
                 self.on_step(self.scheduler)
-            for seq_id, update in updates:
-                queue = self.queues.get(seq_id)
-                if queue is not None:
-                    queue.put_nowait(update)
-                    if update.result is not None:
-                        del self.queues[seq_id]
+            loop.call_soon_threadsafe(self._deliver, updates)
+
+    def _deliver(self, updates: list[tuple[int, Update]]) -> None:
+        for seq_id, update in updates:
+            queue = self.queues.get(seq_id)
+            if queue is not None:
+                queue.put_nowait(update)
+                if update.result is not None:
+                    del self.queues[seq_id]
 
 
 class EngineServer:

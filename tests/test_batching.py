@@ -292,6 +292,42 @@ def test_a_reader_that_fell_behind_gets_one_event_for_the_steps_it_missed(tiny_c
     assert behind[-1]["usage"] == prompt[-1]["usage"]
 
 
+def test_the_steps_go_on_while_the_event_loop_is_busy(tiny_chat_model):
+    """The replica's event loop sends every step's updates on (a Ray stream item per request).
+    The loop used to start each step too, once it had handed out the last one's updates: the
+    engine idled while the loop worked, a little longer the more streams it served (8 served
+    streams ran ~0.86x the engine in process on 2 cores). The worker thread now steps back to
+    back: with the loop held busy by a blocking call right after the first delta, the request
+    decodes to its end meanwhile (the old driver could not pass the step in flight), and the
+    stream then carries the same tokens as one read without a pause."""
+    import asyncio
+    import time
+
+    from ddtree.serve.engine_server import EngineServer
+
+    server = EngineServer({"model": str(tiny_chat_model), "budget": 0, "block_size": 4, "max_num_seqs": 1})
+    body = {"kind": "chat", "messages": CHAT_SAMPLE, "max_tokens": 24, "temperature": 0}
+    unpaused = _read_stream(server, body, behind=False)
+
+    async def run() -> tuple[bool, list[dict]]:
+        stream = server.stream(body)
+        events = [await stream.__anext__(), await stream.__anext__()]  # the start, the first delta
+        assert events[-1]["type"] == "delta"
+        for _ in range(300):  # the loop blocked (no await) for up to 30 s, until decoding ends
+            if not server.engine.scheduler.has_work:
+                break
+            time.sleep(0.1)
+        finished_while_blocked = not server.engine.scheduler.has_work
+        events += [event async for event in stream]
+        return finished_while_blocked, events
+
+    finished_while_blocked, events = asyncio.run(run())
+    assert finished_while_blocked
+    tokens = lambda evs: [t for e in evs if e["type"] == "delta" for t in e["tokens"]]  # noqa: E731
+    assert tokens(events) == tokens(unpaused) and len(tokens(events)) == 24
+    assert events[-1]["type"] == "end" and server.driver.queues == {}
+
+
 def test_every_forward_of_a_served_engine_runs_on_its_step_thread(tiny_chat_model):
     """OpenMP (libgomp) keeps a team of worker threads for each thread that calls into it, and
     once it counts more of its threads than cores it stops spinning between parallel regions:
