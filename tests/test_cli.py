@@ -71,3 +71,29 @@ def test_generate_with_tp2_runs_the_distributed_engine(tiny_chat_model):
     line = json.loads(proc.stdout.splitlines()[-1])
     assert line["tokens"] == expected.tokens and line["text"] == expected.text
     assert "transport" in line["round_time_s"]
+
+
+def test_serve_says_which_port_is_held_instead_of_hanging_in_rays_start_up(tiny_chat_model, monkeypatch, capsys):
+    """Started again moments after a server was stopped, `ddtree serve` hung for minutes and then
+    failed with Ray's "The current node timed out during startup": the old Ray's processes still
+    held the metrics port (8080), and the new metrics agent could not bind it. Now it waits a
+    while for the port, and when it stays held says which port and how to choose another, before
+    Ray starts."""
+    import socket
+
+    import ray
+
+    from ddtree import cli
+
+    from .helpers import free_port
+
+    monkeypatch.setattr(cli, "PORT_WAIT_S", 1.0)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        held = holder.getsockname()[1]
+        code = cli.main(["serve", "--model", str(tiny_chat_model), "--port", str(free_port()),
+                         "--metrics-port", str(held)])
+    err = capsys.readouterr().err
+    assert code == 2 and not ray.is_initialized()
+    assert f"port {held} (Ray's metrics) is still in use after 1 s" in err and "--metrics-port" in err
