@@ -22,6 +22,16 @@
 // up to the order of the float sums. With AVX-512 (SmolLM2's Q4_1 layers and Q8_0 head, 2 cores):
 // 0.83x the AVX2 build's time at 5 rows, 0.8x at 6-8, 0.84x at 9-17, the same at one row.
 //
+// Every multiply-add of a vector of weights is one row's: the decode of a block is paid once per
+// call, whatever M, and at 5-17 rows its vector operations are a large share of the work (with
+// AVX-512 they issue on the same two ports as the multiply-adds). So the decodes are kept short:
+// a block's fp16 scales come from one broadcast load and one conversion (half_pair), and with
+// AVX-512 a 4-bit block's 16 possible weights are computed once and picked by a permute
+// (lookup_nibbles); the sums' lanes are added 16 outputs at a time (lane_sums). In-process A/B
+// on one thread over one SmolLM2 layer's Q4_1 matrices, cache-resident, against the decodes
+// before these: AVX-512 0.87-0.89x the time at 5 and 9 rows, 0.92x at 17; AVX2 about 1.0x at 5,
+// 0.94x at 9, 0.96x at 17.
+//
 // float_mm: see its section below.
 //
 // fma_rate (the FMA floor the benchmarks compare against) lives here too: it runs in float_mm's
@@ -195,25 +205,37 @@ inline void group_affine(Q6_K, const uint8_t* b, int j, float scale[2], float of
 
 #ifdef __AVX2__
 // 16 bytes of 4-bit codes -> codes 0-7, 8-15 (low nibbles), 16-23, 24-31 (high nibbles) as floats
+// (eight bytes widened from memory at a time, then masked or shifted)
 inline void nibbles(const uint8_t* q, __m256 c[4]) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-  c[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  c[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  c[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  c[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * h)));
+    c[h] = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, mask));
+    c[h + 2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+  }
+}
+
+// The fp16 values at b and b + 2 (a block's d, and m where it has one), each in all lanes: the
+// four bytes broadcast by a load, one conversion for both and two in-lane duplications, instead
+// of a conversion and a broadcast from a register each (the same conversion: the same floats)
+inline void half_pair(const uint8_t* b, __m256& first, __m256& second) {
+  const __m256 pairs = _mm256_cvtph_ps(_mm_castps_si128(_mm_broadcast_ss(reinterpret_cast<const float*>(b))));
+  first = _mm256_moveldup_ps(pairs);
+  second = _mm256_movehdup_ps(pairs);
 }
 
 // A block's weights as four vectors of eight (inputs 0-7, 8-15, 16-23, 24-31).
 inline void decode(Q4_0, const uint8_t* b, __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(half_at(b)), eight = _mm256_set1_ps(8.0f);
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  __m256 d, unused;
+  half_pair(b, d, unused);
   nibbles(b + 2, w);
   for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(d, _mm256_sub_ps(w[i], eight));  // q - 8 is exact
 }
 
 inline void decode(Q4_1, const uint8_t* b, __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(half_at(b)), m = _mm256_set1_ps(half_at(b + 2));
+  __m256 d, m;
+  half_pair(b, d, m);
   nibbles(b + 4, w);
   for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(d, w[i], m);  // d q is exact: one rounding, as d q + m
 }
@@ -312,17 +334,32 @@ inline void lookup_nibbles(const uint8_t* q, __m512 table, __m512 w[2]) {
 
 // A block's weights as two vectors of sixteen (inputs 0-15, 16-31): the same values as the
 // AVX2 decode's, element by element.
+// The fp16 values at b and b + 2 (a block's d and m), each in all 16 lanes: the four bytes
+// broadcast by a load, one conversion for both and two in-lane duplications, instead of a
+// conversion and a broadcast from a register each (the same conversion, so the same floats)
+inline void half_pair(const uint8_t* b, __m512& first, __m512& second) {
+  const __m256i both = _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(b)));
+  const __m512 pairs = _mm512_cvtph_ps(both);  // first, second, first, second, ...
+  first = _mm512_moveldup_ps(pairs);
+  second = _mm512_movehdup_ps(pairs);
+}
+
 inline void decode(Q4_0, const uint8_t* b, __m512 w[2]) {
   const __m512 centered = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);  // q - 8, exact
-  lookup_nibbles(b + 2, _mm512_mul_ps(_mm512_set1_ps(half_at(b)), centered), w);
+  __m512 d, unused;
+  half_pair(b, d, unused);
+  lookup_nibbles(b + 2, _mm512_mul_ps(d, centered), w);
 }
 
 inline void decode(Q4_1, const uint8_t* b, __m512 w[2]) {
-  lookup_nibbles(b + 4, code_values(_mm512_set1_ps(half_at(b)), _mm512_set1_ps(half_at(b + 2))), w);
+  __m512 d, m;
+  half_pair(b, d, m);
+  lookup_nibbles(b + 4, code_values(d, m), w);
 }
 
 inline void decode(Q8_0, const uint8_t* b, __m512 w[2]) {
-  const __m512 d = _mm512_set1_ps(half_at(b));
+  __m512 d, unused;
+  half_pair(b, d, unused);
   for (int i = 0; i < 2; ++i) {
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * i));
     w[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
