@@ -27,10 +27,12 @@
 // AVX-512 they issue on the same two ports as the multiply-adds). So the decodes are kept short:
 // a block's fp16 scales come from one broadcast load and one conversion (half_pair), and with
 // AVX-512 a 4-bit block's 16 possible weights are computed once and picked by a permute
-// (lookup_nibbles); the sums' lanes are added 16 outputs at a time (lane_sums). In-process A/B
-// on one thread over one SmolLM2 layer's Q4_1 matrices, cache-resident, against the decodes
-// before these: AVX-512 0.87-0.89x the time at 5 and 9 rows, 0.92x at 17; AVX2 about 1.0x at 5,
-// 0.94x at 9, 0.96x at 17.
+// (lookup_nibbles); the sums' lanes are added 16 outputs at a time (lane_sums). Against a
+// scalar conversion and register broadcast per scale, a widen-convert-multiply-add per 16
+// weights and one lane sum at a time (benchmarks/native_ab.py: one SmolLM2 layer's Q4_1
+// matrices, one thread, cache-resident, on a busy 2-core AVX-512 machine, so a direction only):
+// AVX-512 0.79x the time at 5 rows, 0.88x at 9, 0.91x at 17; AVX2 0.95x at 9, the same at 5
+// and 17. Q8_0 (the 8-bit codes have no short table) is about unchanged.
 //
 // float_mm: see its section below.
 //
