@@ -5,7 +5,7 @@ T(M)/T(1) on a machine too busy to time, not a time. Valgrind runs the kernel's 
 has no AVX-512).
 
     valgrind --tool=callgrind --callgrind-out-file=/tmp/native/run.out \\
-        '--dump-before=(anonymous namespace)::blocks_mm(*' \\
+        '--dump-before=ddtree_cpu::blocks_mm(*' \\
         .venv/bin/python benchmarks/native_instructions.py --kinds Q4_1,Q4_K --rows 1,5,9,17
     python benchmarks/native_instructions.py --report /tmp/native --kinds Q4_1,Q4_K --rows 1,5,9,17
 

@@ -22,6 +22,18 @@
 // up to the order of the float sums. With AVX-512 (SmolLM2's Q4_1 layers and Q8_0 head, 2 cores):
 // 0.83x the AVX2 build's time at 5 rows, 0.8x at 6-8, 0.84x at 9-17, the same at one row.
 //
+// Every multiply-add of a vector of weights is one row's: the decode of a block is paid once per
+// call, whatever M, and at 5-17 rows its vector operations are a large share of the work (with
+// AVX-512 they issue on the same two ports as the multiply-adds). So the decodes are kept short:
+// a block's fp16 scales come from one broadcast load and one conversion (half_pair), and with
+// AVX-512 a 4-bit block's 16 possible weights are computed once and picked by a permute
+// (lookup_nibbles); the sums' lanes are added 16 outputs at a time (lane_sums). Against a
+// scalar conversion and register broadcast per scale, a widen-convert-multiply-add per 16
+// weights and one lane sum at a time (benchmarks/native_ab.py: one SmolLM2 layer's Q4_1
+// matrices, one thread, cache-resident, on a busy 2-core AVX-512 machine, so a direction only):
+// AVX-512 0.79x the time at 5 rows, 0.88x at 9, 0.91x at 17; AVX2 0.95x at 9, the same at 5
+// and 17. Q8_0 (the 8-bit codes have no short table) is about unchanged.
+//
 // float_mm: see its section below.
 //
 // fma_rate (the FMA floor the benchmarks compare against) lives here too: it runs in float_mm's
@@ -56,6 +68,59 @@ inline void prefetch(const uint8_t* p) {
   __builtin_prefetch(p);
 #endif
 }
+
+#ifdef __AVX512F__
+// sum_lanes of many vectors at once, the same additions in the same tree: lanes j and j + 8,
+// then j and j + 4, j and j + 2, j and j + 1 -- each step adds two vectors' worth of pairs in
+// one vector (the pairs moved side by side by shuffles), so 16 sums take 15 vector adds and 30
+// shuffles instead of 16 x 8 instructions.
+inline __m512 halves(__m512 a, __m512 b) {  // lanes 0-7: a_j + a_{j+8}; 8-15: the same of b
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+}
+inline __m512 quarters(__m512 a, __m512 b) {  // 8-lane halves h of a, b: h_j + h_{j+4}, 4 lanes each
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+inline __m512 pairs(__m512 a, __m512 b) {  // in each 128-bit lane: a0 + a2, a1 + a3, b0 + b2, b1 + b3
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
+}
+inline __m512 ones(__m512 a, __m512 b) {  // in each 128-bit lane: a0 + a1, a2 + a3, b0 + b1, b2 + b3
+  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
+}
+
+// out[i] = sum_lanes(v[i]) for i < n
+template <int n>
+inline void lane_sums(const __m512* v, float* out) {
+  alignas(64) float s[16];
+  int i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512* u = v + i;
+    const __m512 t0 = quarters(halves(u[0], u[1]), halves(u[2], u[3]));
+    const __m512 t1 = quarters(halves(u[4], u[5]), halves(u[6], u[7]));
+    const __m512 t2 = quarters(halves(u[8], u[9]), halves(u[10], u[11]));
+    const __m512 t3 = quarters(halves(u[12], u[13]), halves(u[14], u[15]));
+    _mm512_store_ps(s, ones(pairs(t0, t1), pairs(t2, t3)));
+    for (int m = 0; m < 16; ++m) out[i + m] = s[4 * (m & 3) + 2 * (m >> 3) + ((m >> 2) & 1)];
+  }
+  if (i + 8 <= n) {
+    const __m512* u = v + i;
+    const __m512 t0 = quarters(halves(u[0], u[1]), halves(u[2], u[3]));
+    const __m512 t1 = quarters(halves(u[4], u[5]), halves(u[6], u[7]));
+    const __m512 p = pairs(t0, t1);
+    _mm512_store_ps(s, ones(p, p));
+    for (int m = 0; m < 8; ++m) out[i + m] = s[4 * (m & 3) + (m >> 2)];
+    i += 8;
+  }
+  if (i + 4 <= n) {
+    const __m512* u = v + i;
+    const __m512 t = quarters(halves(u[0], u[1]), halves(u[2], u[3]));
+    const __m512 p = pairs(t, t);
+    _mm512_store_ps(s, ones(p, p));
+    for (int m = 0; m < 4; ++m) out[i + m] = s[4 * m];
+    i += 4;
+  }
+  for (; i < n; ++i) out[i] = sum_lanes(v[i]);
+}
+#endif
 
 // Block types: a stored block of VALUES weights in BYTES bytes, read GROUP = 32 weights (a
 // group) at a time. decode_group(Block{}, row, g, w) gives group g of a weight row (its inputs
@@ -142,25 +207,37 @@ inline void group_affine(Q6_K, const uint8_t* b, int j, float scale[2], float of
 
 #ifdef __AVX2__
 // 16 bytes of 4-bit codes -> codes 0-7, 8-15 (low nibbles), 16-23, 24-31 (high nibbles) as floats
+// (eight bytes widened from memory at a time, then masked or shifted)
 inline void nibbles(const uint8_t* q, __m256 c[4]) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(bytes, mask), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-  c[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-  c[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-  c[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-  c[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * h)));
+    c[h] = _mm256_cvtepi32_ps(_mm256_and_si256(bytes, mask));
+    c[h + 2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4));
+  }
+}
+
+// The fp16 values at b and b + 2 (a block's d, and m where it has one), each in all lanes: the
+// four bytes broadcast by a load, one conversion for both and two in-lane duplications, instead
+// of a conversion and a broadcast from a register each (the same conversion: the same floats)
+inline void half_pair(const uint8_t* b, __m256& first, __m256& second) {
+  const __m256 pairs = _mm256_cvtph_ps(_mm_castps_si128(_mm_broadcast_ss(reinterpret_cast<const float*>(b))));
+  first = _mm256_moveldup_ps(pairs);
+  second = _mm256_movehdup_ps(pairs);
 }
 
 // A block's weights as four vectors of eight (inputs 0-7, 8-15, 16-23, 24-31).
 inline void decode(Q4_0, const uint8_t* b, __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(half_at(b)), eight = _mm256_set1_ps(8.0f);
+  const __m256 eight = _mm256_set1_ps(8.0f);
+  __m256 d, unused;
+  half_pair(b, d, unused);
   nibbles(b + 2, w);
   for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(d, _mm256_sub_ps(w[i], eight));  // q - 8 is exact
 }
 
 inline void decode(Q4_1, const uint8_t* b, __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(half_at(b)), m = _mm256_set1_ps(half_at(b + 2));
+  __m256 d, m;
+  half_pair(b, d, m);
   nibbles(b + 4, w);
   for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(d, w[i], m);  // d q is exact: one rounding, as d q + m
 }
@@ -241,30 +318,50 @@ inline void decode(Q5_0, const uint8_t* b, __m256 w[4]) { decode(Q5_0{}, b, 0, w
 inline void decode(Q5_1, const uint8_t* b, __m256 w[4]) { decode(Q5_1{}, b, 0, w); }
 
 #ifdef __AVX512F__
-// 16 bytes of 4-bit codes -> codes 0-15 (low nibbles), 16-31 (high nibbles) as floats
-inline void nibbles(const uint8_t* q, __m512 c[2]) {
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  c[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, mask)));
-  c[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask)));
+// A block of 4-bit codes takes only 16 values, table[q] = scale q + offset (as the AVX2 decode
+// computes each weight: one rounding); a permute picks them (its index's low 4 bits, so a code
+// byte widened to 32 bits gives its low nibble as it is): two ALU operations per 16 weights fewer
+// than a widening, a conversion and a multiply-add each, on the two ports the FMAs use.
+inline __m512 code_values(__m512 scale, __m512 offset) {
+  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_fmadd_ps(scale, codes, offset);
+}
+
+// 16 bytes of 4-bit codes -> the weights of codes 0-15 (low nibbles), 16-31 (high nibbles)
+inline void lookup_nibbles(const uint8_t* q, __m512 table, __m512 w[2]) {
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  w[0] = _mm512_permutexvar_ps(bytes, table);
+  w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
 
 // A block's weights as two vectors of sixteen (inputs 0-15, 16-31): the same values as the
 // AVX2 decode's, element by element.
+// The fp16 values at b and b + 2 (a block's d and m), each in all 16 lanes: the four bytes
+// broadcast by a load, one conversion for both and two in-lane duplications, instead of a
+// conversion and a broadcast from a register each (the same conversion, so the same floats)
+inline void half_pair(const uint8_t* b, __m512& first, __m512& second) {
+  const __m256i both = _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(b)));
+  const __m512 pairs = _mm512_cvtph_ps(both);  // first, second, first, second, ...
+  first = _mm512_moveldup_ps(pairs);
+  second = _mm512_movehdup_ps(pairs);
+}
+
 inline void decode(Q4_0, const uint8_t* b, __m512 w[2]) {
-  const __m512 d = _mm512_set1_ps(half_at(b)), eight = _mm512_set1_ps(8.0f);
-  nibbles(b + 2, w);
-  for (int i = 0; i < 2; ++i) w[i] = _mm512_mul_ps(d, _mm512_sub_ps(w[i], eight));
+  const __m512 centered = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);  // q - 8, exact
+  __m512 d, unused;
+  half_pair(b, d, unused);
+  lookup_nibbles(b + 2, _mm512_mul_ps(d, centered), w);
 }
 
 inline void decode(Q4_1, const uint8_t* b, __m512 w[2]) {
-  const __m512 d = _mm512_set1_ps(half_at(b)), m = _mm512_set1_ps(half_at(b + 2));
-  nibbles(b + 4, w);
-  for (int i = 0; i < 2; ++i) w[i] = _mm512_fmadd_ps(d, w[i], m);
+  __m512 d, m;
+  half_pair(b, d, m);
+  lookup_nibbles(b + 4, code_values(d, m), w);
 }
 
 inline void decode(Q8_0, const uint8_t* b, __m512 w[2]) {
-  const __m512 d = _mm512_set1_ps(half_at(b));
+  __m512 d, unused;
+  half_pair(b, d, unused);
   for (int i = 0; i < 2; ++i) {
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * i));
     w[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
@@ -281,6 +378,17 @@ inline void decode(Block, const uint8_t* b, int j, __m512 w[2]) {
   for (int i = 0; i < 2; ++i)
     w[i] = _mm512_fmadd_ps(_mm512_set1_ps(scale[i]), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(c[i])),
                            _mm512_set1_ps(offset[i]));
+}
+
+// Q4_K's group j by its table (lookup_nibbles): the low (j even) or high nibbles of 32 bytes
+inline void decode(Q4_K, const uint8_t* b, int j, __m512 w[2]) {
+  float scale[2], offset[2];
+  group_affine(Q4_K{}, b, j, scale, offset);
+  const __m512 table = code_values(_mm512_set1_ps(scale[0]), _mm512_set1_ps(offset[0]));
+  const uint8_t* q = b + 16 + 32 * (j / 2);
+  const __m128i shift = _mm_cvtsi32_si128(4 * (j & 1));
+  for (int h = 0; h < 2; ++h)
+    w[h] = _mm512_permutexvar_ps(_mm512_srl_epi32(_mm512_cvtepu8_epi32(load16(q + 16 * h)), shift), table);
 }
 
 inline void decode(Q5_0, const uint8_t* b, __m512 w[2]) { decode(Q5_0{}, b, 0, w); }
@@ -347,8 +455,15 @@ inline void few_rows(const float* x, int64_t K, const uint8_t* rows, int64_t gro
         for (int i = 0; i < BLOCK_VECTORS; ++i) a[r][c] = vfmadd(w[i], vload(xs + r * K + VLANES * i), a[r][c]);
     }
   }
+#ifdef __AVX512F__
+  float sums[R][C];
+  lane_sums<R * C>(&a[0][0], &sums[0][0]);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) y[r * N + c] = sums[r][c];
+#else
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) y[r * N + c] = sum_lanes(a[r][c]);
+#endif
 }
 
 template <typename Block, int R>
@@ -467,8 +582,9 @@ void tiles(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N
   const int64_t span = (groups + chunks - 1) / chunks * GROUP;  // inputs per chunk, chunks of even size
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t n0 = t * TILE_N, columns = std::min(TILE_N, N - n0);
-    for (int64_t m0 = 0; m0 < M; m0 += PANEL_M) {
-      const int64_t rows = std::min(PANEL_M, M - m0);
+    const int64_t panels = (M + PANEL_M - 1) / PANEL_M;  // of as even a size as PANEL_M allows (65 rows: 33 + 32)
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t m0 = M * p / panels, rows = M * (p + 1) / panels - m0;
       std::fill(acc, acc + rows * TILE_N * VLANES, 0.0f);
       for (int64_t k0 = 0; k0 < K; k0 += span) {
         const int64_t width = std::min(span, K - k0);
@@ -490,8 +606,15 @@ void tiles(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N
           case 1: multiply_rows<1>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps); break;
         }
       }
-      for (int64_t m = 0; m < rows; ++m)
+      for (int64_t m = 0; m < rows; ++m) {
+#ifdef __AVX512F__
+        float sums[TILE_N];  // all TILE_N columns' lanes (a short tile's last ones are zeros)
+        lane_sums<TILE_N>(reinterpret_cast<const __m512*>(acc + m * TILE_N * VLANES), sums);
+        for (int64_t c = 0; c < columns; ++c) y[(m0 + m) * N + n0 + c] = sums[c];
+#else
         for (int64_t c = 0; c < columns; ++c) y[(m0 + m) * N + n0 + c] = sum_lanes(acc + (m * TILE_N + c) * VLANES);
+#endif
+      }
     }
   }
 }
@@ -627,59 +750,6 @@ inline void prefetch_l2(const float* p) {
   __builtin_prefetch(p, 0, 2);
 #endif
 }
-
-#ifdef __AVX512F__
-// sum_lanes of many vectors at once, the same additions in the same tree: lanes j and j + 8,
-// then j and j + 4, j and j + 2, j and j + 1 -- each step adds two vectors' worth of pairs in
-// one vector (the pairs moved side by side by shuffles), so 16 sums take 15 vector adds and 30
-// shuffles instead of 16 x 8 instructions.
-inline __m512 halves(__m512 a, __m512 b) {  // lanes 0-7: a_j + a_{j+8}; 8-15: the same of b
-  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
-}
-inline __m512 quarters(__m512 a, __m512 b) {  // 8-lane halves h of a, b: h_j + h_{j+4}, 4 lanes each
-  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
-}
-inline __m512 pairs(__m512 a, __m512 b) {  // in each 128-bit lane: a0 + a2, a1 + a3, b0 + b2, b1 + b3
-  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x44), _mm512_shuffle_ps(a, b, 0xEE));
-}
-inline __m512 ones(__m512 a, __m512 b) {  // in each 128-bit lane: a0 + a1, a2 + a3, b0 + b1, b2 + b3
-  return _mm512_add_ps(_mm512_shuffle_ps(a, b, 0x88), _mm512_shuffle_ps(a, b, 0xDD));
-}
-
-// out[i] = sum_lanes(v[i]) for i < n
-template <int n>
-inline void lane_sums(const __m512* v, float* out) {
-  alignas(64) float s[16];
-  int i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512* u = v + i;
-    const __m512 t0 = quarters(halves(u[0], u[1]), halves(u[2], u[3]));
-    const __m512 t1 = quarters(halves(u[4], u[5]), halves(u[6], u[7]));
-    const __m512 t2 = quarters(halves(u[8], u[9]), halves(u[10], u[11]));
-    const __m512 t3 = quarters(halves(u[12], u[13]), halves(u[14], u[15]));
-    _mm512_store_ps(s, ones(pairs(t0, t1), pairs(t2, t3)));
-    for (int m = 0; m < 16; ++m) out[i + m] = s[4 * (m & 3) + 2 * (m >> 3) + ((m >> 2) & 1)];
-  }
-  if (i + 8 <= n) {
-    const __m512* u = v + i;
-    const __m512 t0 = quarters(halves(u[0], u[1]), halves(u[2], u[3]));
-    const __m512 t1 = quarters(halves(u[4], u[5]), halves(u[6], u[7]));
-    const __m512 p = pairs(t0, t1);
-    _mm512_store_ps(s, ones(p, p));
-    for (int m = 0; m < 8; ++m) out[i + m] = s[4 * (m & 3) + (m >> 2)];
-    i += 8;
-  }
-  if (i + 4 <= n) {
-    const __m512* u = v + i;
-    const __m512 t = quarters(halves(u[0], u[1]), halves(u[2], u[3]));
-    const __m512 p = pairs(t, t);
-    _mm512_store_ps(s, ones(p, p));
-    for (int m = 0; m < 4; ++m) out[i + m] = s[4 * m];
-    i += 4;
-  }
-  for (; i < n; ++i) out[i] = sum_lanes(v[i]);
-}
-#endif
 
 // y[r, c] (row stride N) for R rows of x and C rows of w (both row stride K); `next`, if not
 // null, is weight rows to prefetch meanwhile (a later tile's, the same offsets): PREFETCH_LINES
