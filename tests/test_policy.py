@@ -206,6 +206,27 @@ def test_the_plan_drafts_the_sequences_whose_trees_pay():
     assert plan[0] is not None and not plan[0].explores and plan[1] is None
 
 
+def test_the_reported_prediction_is_the_estimate_not_the_optimistic_price():
+    """The plan prices a sequence whose acceptance is little known at its factor's optimistic
+    bound (exploration), but the accepted tokens a choice reports -- compared with what the
+    target accepted -- are the estimator's mean: an optimistic prediction would read high by
+    construction wherever evidence is thin."""
+    policy = BudgetPolicy(CostCurve({1: 0.030, 1024: 0.031}))  # rows nearly free: the whole tree is granted
+    policy.curve(1, chain_tree(0.5, 6), 64)
+    policy.observe(report([RowReport(1, [0, 0, 9], False)]))  # two of six taken: a little evidence, factor != 1
+    state = policy.sequences[1]
+    mean, bound = state.factor.mean(), state.factor.upper(0.25)
+    assert mean != pytest.approx(1.0) and bound > mean
+    curve = policy.curve(1, chain_tree(0.5, 6), 64)
+    decision = policy.choose(1, BUCKETS, [curve], 0.010, ids=[1])
+    p, depth, chain = nodes_of(chain_tree(0.5, 6))
+    n = decision.nodes[0]
+    assert n == 6
+    assert decision.predicted[0] == pytest.approx(tree_gains(p, depth, chain, policy.factors(), mean)[n])
+    assert decision.predicted[0] < tree_gains(p, depth, chain, policy.factors(), bound)[n]
+    assert policy.expected(1)[n] > decision.predicted[0]  # the plan's price of the next tree: the bound
+
+
 def test_a_sequences_state_is_dropped_when_it_finishes():
     policy = BudgetPolicy(CostCurve({1: 1.0}))
     policy.curve(5, worked_tree(), 3)
