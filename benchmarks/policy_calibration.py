@@ -1,7 +1,7 @@
 """Does `budget: auto` price the trees it leaves out as well as the ones it verifies? After auto has
 learned on the mixed prompts, a fixed budget runs (every sequence drafts that many nodes every
 round) and each of its rounds' trees is priced by auto's own model -- the batch-wide factors per
-probability bin (workers.policy: `tree_gains`, `factors`), at the batch's factor 1 -- beside
+node class (workers.policy: `tree_gains`, `factors`), at the batch's factor 1 -- beside
 auto's own trees, priced alike. Predicted against realized accepted tokens,
 binned by the predicted, split by whether the tree holds a lookup chain, with the accepted
 tokens by source (drafter / lookup / both).
@@ -57,7 +57,8 @@ def main() -> None:
         if pricing["budget"] is not None and tree.size > 1:
             chain = tree.on_chain()
             chain = chain[1:].tolist() if chain is not None else [False] * (tree.size - 1)
-            predicted = policy_module.tree_gains(tree.scores[1:].exp().tolist(), tree.depths[1:].tolist(), chain,
+            source = tree.sources[1:].tolist() if tree.sources is not None else [0] * (tree.size - 1)
+            predicted = policy_module.tree_gains(tree.scores[1:].exp().tolist(), tree.depths[1:].tolist(), source,
                                                  policy.factors())[-1]
             priced[pricing["budget"]].append((predicted, len(path) - 1, tree.size - 1, any(chain), out))
         return out

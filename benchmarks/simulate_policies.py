@@ -17,6 +17,9 @@ their tokens per round at the largest fixed budget, on that cost model at one st
 `--fixed FILE` takes the fixed budgets' cells from an earlier `ddtree simulate --json` of the same
 trace (replays are deterministic, and a fixed budget's steps do not depend on the policy), so only
 the autos replay, and the largest fixed budget at one stream (for the well-accepting sequences).
+`--lookup`: every policy but plain and the chain with lookup branches in its trees (workers.lookup),
+as the judged A/B on a real machine runs (benchmarks/budget_policy.py --lookup); its fixed cells
+replay too (a `--fixed` file holds cells without lookup).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from policy_revision import scheduler_at  # noqa: E402
 
 
-def cell(trace, cost, budget, streams, scheduler_class=None):
+def cell(trace, cost, budget, streams, scheduler_class=None, lookup=False):
     """One replayed cell -> (SimRow, per trace sequence [drafted nodes, drafted rounds, tokens, rounds])."""
     per: dict[int, list[int]] = {}
 
@@ -51,8 +54,9 @@ def cell(trace, cost, budget, streams, scheduler_class=None):
 
     scheduler = None
     if scheduler_class is not None:
-        scheduler = replay_scheduler(trace, cost, streams, calibrate=True, scheduler_class=scheduler_class)
-    return simulate(trace, cost, budget, streams, scheduler=scheduler, on_result=seen), per
+        scheduler = replay_scheduler(trace, cost, streams, lookup=lookup, calibrate=True,
+                                     scheduler_class=scheduler_class)
+    return simulate(trace, cost, budget, streams, lookup=lookup, scheduler=scheduler, on_result=seen), per
 
 
 def recorded(rows: list[dict], budget, streams: int) -> SimRow:
@@ -73,8 +77,11 @@ def main() -> None:
     parser.add_argument("--budgets", default="0,chain,16,64")
     parser.add_argument("--against", default="main", help="a git revision whose auto runs beside (empty: none)")
     parser.add_argument("--fixed", help="an earlier `ddtree simulate --json` of this trace: its fixed budgets' cells")
+    parser.add_argument("--lookup", action="store_true", help="lookup branches in the trees (not with --fixed)")
     parser.add_argument("--out", default=str(ROOT / f"benchmarks/results/simulate-v2-{datetime.date.today()}"))
     args = parser.parse_args()
+    if args.lookup and args.fixed:
+        parser.error("--fixed cells were replayed without lookup: with --lookup every cell replays")
 
     trace = Trace.load(args.trace)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -91,13 +98,13 @@ def main() -> None:
                 if earlier is not None and not (c == levels[0] and budget == fixed[-1]):
                     rows[budget, c] = recorded(earlier, budget, c)
                     continue
-                rows[budget, c], per = cell(trace, cost, budget, c)
+                rows[budget, c], per = cell(trace, cost, budget, c, lookup=args.lookup)
                 if c == levels[0] and budget == fixed[-1]:  # the sequences that accept well: top half by tau
                     ranked = sorted(per, key=lambda i: per[i][2] / per[i][3], reverse=True)
                     well = set(ranked[: len(ranked) // 2])
             autos = [("auto", None)] + ([(label, other)] if other else [])
             for tag, cls in autos:
-                rows[tag, c], per = cell(trace, cost, "auto", c, cls)
+                rows[tag, c], per = cell(trace, cost, "auto", c, cls, lookup=args.lookup)
                 rows[tag, c].budget = tag
                 mine = [per[i] for i in well or () if i in per]
                 rows[tag, c].well_nodes = (sum(p[0] for p in mine) / max(1, sum(p[1] for p in mine)))

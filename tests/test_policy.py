@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from ddtree.config import SamplingParams
-from ddtree.kernels.tree import build_tree
+from ddtree.kernels.tree import DRAFTER, LOOKUP, Candidates, Lookup, build_tree, grow_tree
 from ddtree.workers.drafter import DFlashDrafter
-from ddtree.workers.policy import (EMA, GROWTH, MIN_WIDTH, MISFIT_STEPS, BudgetPolicy, CostCurve, LinearCost, PlanRow,
+from ddtree.workers.policy import (BINS, EMA, GROWTH, MIN_WIDTH, MISFIT_STEPS, BudgetPolicy, CostCurve, LinearCost, PlanRow,
                                     RowReport, StepReport, _Kept, tree_gains)
 from ddtree.workers.requests import Request
 from ddtree.workers.scheduler import FEATURE_CHUNKS, BatchLimits, PendingFeatures, Scheduler
@@ -80,7 +80,10 @@ def test_expected_accepted_tokens_of_the_worked_tree():
     # node 3), and depth 2 no more often than depth 1 (the path reaches it only via depth 1)
     assert tree_gains(p, depth, chain, [1 / 6, 1.0, 1.0, 1.0]) == pytest.approx([0, 0.1, 0.2, 0.8])
     assert tree_gains(p, depth, chain, [1.0] * 4, scale=3.0) == pytest.approx([0, 1.0, 2.0, 2.0])  # never past certain
-    assert tree_gains(p, depth, [True] * 3, [0.0] * 4, scale=0.0) == pytest.approx([0, 0.6, 1.08, 1.38])  # a chain's own p
+    # a lookup chain's nodes: their own class's factor, never the drafter's bins nor the sequence's scale
+    chain_only = [0.0] * (len(BINS) + 1) + [0.5, 1.0]  # the drafter's bins, the chain's alone, both
+    assert tree_gains(p, depth, [LOOKUP] * 3, chain_only, scale=0.0) == pytest.approx([0, 0.3, 0.54, 0.69])
+    assert tree_gains(p, depth, [LOOKUP | DRAFTER] * 3, chain_only, scale=0.0) == pytest.approx([0, 0.6, 1.08, 1.38])
 
 
 def test_a_kept_tree_resolves_along_the_tokens_committed_after_its_root():
@@ -108,8 +111,8 @@ def test_a_drafted_tree_teaches_its_whole_self_once_the_committed_tokens_decide_
     policy.observe(report([RowReport(5, [9], False)]))  # then 9: node 1 was the path's end
     state = policy.sequences[5]
     assert state.pending == []
-    assert [b.hits for b in policy.bins] == pytest.approx([1, 0, 0, 0])  # bins: .6 -> 0; .48 and .3 -> 1
-    assert [b.mass for b in policy.bins] == pytest.approx([0.6, 0.78, 0, 0])
+    assert [b.hits for b in policy.bins] == pytest.approx([1, 0, 0, 0, 0, 0])  # bins: .6 -> 0; .48 and .3 -> 1
+    assert [b.mass for b in policy.bins] == pytest.approx([0.6, 0.78, 0, 0, 0, 0])
     assert state.factor.hits == pytest.approx(1.0) and state.factor.mass == pytest.approx(1.38)
     assert policy.factors()[0] > 1.0 > policy.factors()[1]
     assert policy.curve(5, worked_tree(), 3)[1] > 0.6  # node 1's bin was right more often than p said
@@ -204,6 +207,52 @@ def test_the_plan_drafts_the_sequences_whose_trees_pay():
                               0.032 + 0.002 * sum(nodes), 2, 0.012, 0.002, batch=2))
     plan = policy.plan(2, BUCKETS, [PlanRow(1, 2), PlanRow(2, 2)])
     assert plan[0] is not None and not plan[0].explores and plan[1] is None
+
+
+def test_the_reported_prediction_is_the_estimate_not_the_optimistic_price():
+    """The plan prices a sequence whose acceptance is little known at its factor's optimistic
+    bound (exploration), but the accepted tokens a choice reports -- compared with what the
+    target accepted -- are the estimator's mean: an optimistic prediction would read high by
+    construction wherever evidence is thin."""
+    policy = BudgetPolicy(CostCurve({1: 0.030, 1024: 0.031}))  # rows nearly free: the whole tree is granted
+    policy.curve(1, chain_tree(0.5, 6), 64)
+    policy.observe(report([RowReport(1, [0, 0, 9], False)]))  # two of six taken: a little evidence, factor != 1
+    state = policy.sequences[1]
+    mean, bound = state.factor.mean(), state.factor.upper(0.25)
+    assert mean != pytest.approx(1.0) and bound > mean
+    curve = policy.curve(1, chain_tree(0.5, 6), 64)
+    decision = policy.choose(1, BUCKETS, [curve], 0.010, ids=[1])
+    p, depth, chain = nodes_of(chain_tree(0.5, 6))
+    n = decision.nodes[0]
+    assert n == 6
+    assert decision.predicted[0] == pytest.approx(tree_gains(p, depth, chain, policy.factors(), mean)[n])
+    assert decision.predicted[0] < tree_gains(p, depth, chain, policy.factors(), bound)[n]
+    assert policy.expected(1)[n] > decision.predicted[0]  # the plan's price of the next tree: the bound
+
+
+def merged_tree():
+    """A drafted tree with a lookup chain merged in: the drafter proposes token 0 (p .7) or 1 (.2)
+    at each of 3 depths; the chain proposes 2, 2, 2, each with its calibrated probability .6 --
+    a token the drafter did not propose: the two sources disagree at every depth."""
+    candidates = Candidates([[math.log(0.7), math.log(0.2)]] * 3, [[0, 1]] * 3)
+    return grow_tree(5, candidates, 12, Lookup([2, 2, 2], [math.log(0.6)] * 3, 3))
+
+
+def test_where_the_sources_disagree_the_prediction_follows_what_the_target_takes():
+    """A merged tree's chain nodes the drafter did not propose are calibrated apart from the
+    drafter's nodes: where the target takes the drafter's token and then one no node holds, the
+    chain's nodes are never on its path, so their factor falls and the tree's expected accepted
+    tokens come down to the one the target accepts -- instead of adding the chain's own
+    probabilities, measured over every round it was offered, to the drafter's at every depth."""
+    policy = BudgetPolicy(CostCurve({1: 0.030, 1024: 0.031}))
+    tree = merged_tree()
+    assert tree.sources[1:].tolist().count(LOOKUP) == 3  # the chain's nodes: the chain's alone
+    first = policy.curve(1, tree, 12)[-1]
+    for _ in range(40):
+        predicted = policy.curve(1, tree, 12)[-1]
+        policy.observe(report([RowReport(1, [0, 9], False)]))  # the drafter's 0, then a token no node holds
+    assert first > 1.5 and abs(predicted - 1.0) < 0.1, (first, predicted)
+    assert policy.factors()[len(BINS) + 1] < 0.2  # the chain's nodes alone: never taken
 
 
 def test_a_sequences_state_is_dropped_when_it_finishes():

@@ -18,18 +18,22 @@ The step's rate, for B decoding sequences of which the set S drafts, tree s gran
 
 E_s(n), the expected accepted tokens of the first n nodes of a best-first tree: the accepted
 tokens are the tree's nodes on the target's path, so E_s(n) = sum_{i <= n} P(node i is on it).
-The drafter scores each node with its path probability p_i; calibrated, P(i on path) = a_s c_b p_i:
+Each node carries its path probability p_i as its source scored it -- the drafter, or a lookup
+chain (workers.lookup) -- and P(i on path) = c_b p_i, times a_s for the drafter's nodes:
 
-- c_b, the drafter's calibration per bin b of p (`BINS`): of the drafter's nodes of that bin in
-  the recent trees of every sequence, how many the target's path took over their summed p;
-- a_s, the sequence's own factor: of its nodes, how many the path took over their summed c_b p_i
-  (1: as the batch), faded by 1 / SEQ_MEMORY a step, so old evidence goes stale.
+- c_b, the calibration of a node class b: the drafter's nodes by bin of p (`BINS`); the chain's
+  nodes the drafter did not propose; the nodes both sources proposed. Of the nodes of that class
+  in the recent trees of every sequence, how many the target's path took over their summed p. A
+  merged tree's two sources are calibrated apart by whether they agree: the chain's probabilities
+  are measured over every round it was offered, and where the drafter proposed another token
+  the chain is right far less often than that (where both agree, more);
+- a_s, the sequence's own factor: of its drafter nodes, how many the path took over their summed
+  c_b p_i (1: as the batch), faded by 1 / SEQ_MEMORY a step, so old evidence goes stale.
 
 Each is one `Ratio`: faded hits over mass, shrunk to a prior of 1 as if PRIOR_MASS had been seen
 there -- the mean of a Gamma posterior, whose standard deviation says how much is known. Per
 depth, the path takes at most one node and reaches a depth only via the one above, so a depth's
-summed probability is clamped to [0, the depth above's] (`tree_gains`). Nodes of a lookup chain
-carry the chain's own calibrated probabilities (workers.lookup) and are not scaled.
+summed probability is clamped to [0, the depth above's] (`tree_gains`).
 
 Every drafted tree teaches c_b and a_s whole, not only the prefix verified: the target's choice
 at each position is the token the sequence commits there, so once the sequence has committed a
@@ -61,7 +65,7 @@ import bisect
 import math
 from dataclasses import dataclass, field
 
-from ..kernels.tree import Lookup, Tree
+from ..kernels.tree import DRAFTER, LOOKUP, Lookup, Tree
 from .calibration import plausible
 
 BINS = (0.5, 0.2, 0.05)  # edges of the p bins calibrated apart: the drafter is overconfident at high p, less below
@@ -184,24 +188,29 @@ class Ratio:
         self.mass += mass
 
 
-def bin_of(p: float) -> int:
-    """A node's bin of its path probability p: 0 for p >= BINS[0], ..., len(BINS) below the last."""
+def class_of(p: float, source: int = DRAFTER) -> int:
+    """A node's calibration class, from its path probability p and source (kernels.tree's
+    DRAFTER / LOOKUP bits): the drafter's bin of p, 0 for p >= BINS[0] ... len(BINS) below the
+    last; len(BINS) + 1 the lookup chain's alone; len(BINS) + 2 both sources'."""
+    if source & LOOKUP:
+        return len(BINS) + (2 if source & DRAFTER else 1)
     for b, edge in enumerate(BINS):
         if p >= edge:
             return b
     return len(BINS)
 
 
-def tree_gains(p: list[float], depth: list[int], chain: list[bool], factors: list[float],
+def tree_gains(p: list[float], depth: list[int], sources: list[int], factors: list[float],
                scale: float = 1.0) -> list[float]:
     """E(n), n = 0 ... len(p): the expected accepted tokens of a best-first tree's first n
-    non-root nodes (path probability p, depth, on a lookup chain): node i adds scale x
-    factors[bin] x p_i to its depth's reach (p_i alone on a chain: calibrated already); the path
+    non-root nodes (path probability p, depth, source bits; 0 counts as the drafter's): node i
+    adds factors[class] x p_i, times scale for the drafter's own, to its depth's reach; the path
     reaches depth d with min(1, reach_1, ..., reach_d), summed over the depths."""
     reach = [0.0] * (1 + max(depth, default=0))
     out = [0.0]
-    for pi, d, on_chain in zip(p, depth, chain):
-        reach[d] += pi if on_chain else scale * factors[bin_of(pi)] * pi
+    for pi, d, source in zip(p, depth, sources):
+        b = class_of(pi, source or DRAFTER)
+        reach[d] += factors[b] * pi * (scale if b <= len(BINS) else 1.0)
         total, low = 0.0, 1.0
         for r in reach[1:]:
             low = min(low, r)
@@ -220,7 +229,7 @@ class _Kept:
     tokens: list[int]  # [N] root first
     parents: list[int]  # [N]
     p: list[float]  # [N - 1] the non-root nodes' path probabilities ...
-    chain: list[bool]  # [N - 1] ... and whether a lookup chain proposed them
+    sources: list[int]  # [N - 1] ... and who proposed them (DRAFTER / LOOKUP bits; 0: the drafter)
     after: list[int] = field(default_factory=list)  # tokens committed after the root so far
 
     def resolve(self) -> set[int] | None:
@@ -309,7 +318,7 @@ class BudgetPolicy:
         self.draft = LinearCost(2)  # D(k, R)
         self.rest = LinearCost(2)  # O(B, N)
         self._cold_draft = True  # the process's first drafter pass builds its buffers: not the drafter's cost
-        self.bins = [Ratio() for _ in range(len(BINS) + 1)]  # c_b
+        self.bins = [Ratio() for _ in range(len(BINS) + 3)]  # c_b: the drafter's bins, the chain's alone, both
         self.shape: list[float] | None = None  # the batch's expected tree, for a sequence that never drafted
         self.sequences: dict[int, _Sequence] = {}
 
@@ -359,7 +368,7 @@ class BudgetPolicy:
     # --- acceptance -------------------------------------------------------------------------------
 
     def factors(self) -> list[float]:
-        """c_b of every bin."""
+        """c_b of every node class (`class_of`)."""
         return [r.mean() for r in self.bins]
 
     def _state(self, seq_id: int) -> _Sequence:
@@ -382,15 +391,14 @@ class BudgetPolicy:
         state = self._state(seq_id)
         p = tree.scores[1:].exp().tolist()
         depth = tree.depths[1:].tolist()
-        on_chain = tree.on_chain()
-        chain = on_chain[1:].tolist() if on_chain is not None else [False] * len(p)
-        state.pending.append(_Kept(tree.tokens.tolist(), tree.parents.tolist(), p, chain))
+        sources = tree.sources[1:].tolist() if tree.sources is not None else [DRAFTER] * len(p)
+        state.pending.append(_Kept(tree.tokens.tolist(), tree.parents.tolist(), p, sources))
         end = min(len(p), most)
-        shape = tree_gains(p[:end], depth[:end], chain[:end], self.factors())
+        shape = tree_gains(p[:end], depth[:end], sources[:end], self.factors())
         state.shape = _blend(state.shape, shape)
         self.shape = _blend(self.shape, shape)
         state.last_depths = depth[:end]
-        return tree_gains(p[:end], depth[:end], chain[:end], self.factors(), state.factor.mean())
+        return tree_gains(p[:end], depth[:end], sources[:end], self.factors(), state.factor.mean())
 
     def chain_curve(self, branch: Lookup, most: int) -> list[float]:
         """E(n) of a lookup chain verified alone: the node at depth d is reached with the product
@@ -545,16 +553,16 @@ class BudgetPolicy:
                 self.drop(row.seq_id)
 
     def _learn(self, state: _Sequence, kept: _Kept, path: set[int]) -> None:
-        """One resolved tree: per drafter node (off the lookup chain), whether the path took it,
-        against its p (c_b) and its c_b p (a_s)."""
+        """One resolved tree: per node, whether the path took it, against its p (its class's
+        c_b) and, a drafter node's, its c_b p (a_s)."""
         factors = self.factors()
         for r in self.bins:
             r.fade(1 - 1 / BATCH_MEMORY)
-        for i, (p, on_chain) in enumerate(zip(kept.p, kept.chain), start=1):
-            if not on_chain:
-                b, hit = bin_of(p), float(i in path)
+        for i, (p, source) in enumerate(zip(kept.p, kept.sources), start=1):
+            b, hit = class_of(p, source or DRAFTER), float(i in path)
+            self.bins[b].add(hit, p)
+            if b <= len(BINS):
                 state.factor.add(hit, factors[b] * p)
-                self.bins[b].add(hit, p)
 
     def drop(self, seq_id: int) -> None:
         """Forgets a sequence (finished, cancelled)."""
