@@ -299,7 +299,8 @@ class Checkpoint:
         self.done: dict[str, list[int]] = {}
         if self.path is None:
             return
-        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        text = self.path.read_text() if self.path.exists() else ""
+        lines = text.splitlines()
         if not lines:
             self.path.write_text(json.dumps(identity) + "\n")
             return
@@ -314,7 +315,7 @@ class Checkpoint:
                 break
             self.done[entry["key"]] = entry["tokens"]
             kept.append(line)
-        if len(kept) < len(lines) or not self.path.read_text().endswith("\n"):
+        if len(kept) < len(lines) or not text.endswith("\n"):
             self.path.write_text("\n".join(kept) + "\n")  # what follows appends whole lines
 
     def get(self, key: str) -> list[int] | None:

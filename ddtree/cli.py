@@ -114,58 +114,6 @@ def _ray_init_options(args: argparse.Namespace) -> dict:
     return options
 
 
-PORT_WAIT_S = 60.0  # how long `ddtree serve` waits for a port a stopped server's processes still hold
-
-
-def _port_in_use(port: int) -> bool:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed socket's TIME_WAIT is no holder
-        try:
-            probe.bind(("", port))
-        except OSError:
-            return True
-    return False
-
-
-def _wait_for_ports(ports: dict[str, int]) -> str | None:
-    """Waits up to PORT_WAIT_S for each of `ports` ({what: port}) to be free; the error to print
-    for one still held, else None. Ray's processes of a server stopped moments ago keep its
-    metrics and HTTP ports a while after the command has returned; a new Ray whose metrics
-    agent then cannot bind fails its start-up only after minutes, with "The current node timed
-    out during startup"."""
-    import time
-
-    deadline = time.monotonic() + PORT_WAIT_S
-    for what, port in ports.items():
-        if _port_in_use(port):
-            print(f"ddtree serve: port {port} ({what}) is in use; waiting up to {PORT_WAIT_S:g} s for it (a server "
-                  "stopped moments ago holds it until its Ray processes have exited)", file=sys.stderr, flush=True)
-        while _port_in_use(port):
-            if time.monotonic() > deadline:
-                flag = {"the API": "--port", "Ray's metrics": "--metrics-port"}[what]
-                return (f"port {port} ({what}) is still in use after {PORT_WAIT_S:g} s: stop what holds it "
-                        f"(`ss -ltnp 'sport = :{port}'` names it) or choose another with {flag}")
-            time.sleep(0.5)
-    return None
-
-
-def _drain(app_name: str, grace_s: float) -> None:
-    """Refuse new generation requests (503) and wait up to `grace_s` for those in flight."""
-    import time
-
-    from ray import serve
-
-    ingress = serve.get_app_handle(app_name)
-    deadline = time.monotonic() + grace_s
-    left = ingress.drain.remote().result()
-    while left and time.monotonic() < deadline:
-        print(f"ddtree serve: draining, {left} requests in flight", file=sys.stderr, flush=True)
-        time.sleep(0.5)
-        left = ingress.in_flight.remote().result()
-
-
 def _serve(args: argparse.Namespace) -> int:
     try:
         config = _serve_config(args)
@@ -187,9 +135,10 @@ def _serve(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from .serve import launch
     from .serve.app import build_app
 
-    held = _wait_for_ports({"the API": args.port, "Ray's metrics": args.metrics_port})
+    held = launch.wait_for_ports({"the API": args.port, "Ray's metrics": args.metrics_port})
     if held is not None:
         print(f"ddtree serve: {held}", file=sys.stderr)
         return 2
@@ -219,7 +168,7 @@ def _serve(args: argparse.Namespace) -> int:
         stop.wait()
     except KeyboardInterrupt:  # Ctrl-C
         pass
-    _drain("ddtree", config.graceful_shutdown_timeout_s)
+    launch.drain("ddtree", config.graceful_shutdown_timeout_s)
     serve.shutdown()
     ray.shutdown()
     return 0

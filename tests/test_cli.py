@@ -84,10 +84,11 @@ def test_serve_says_which_port_is_held_instead_of_hanging_in_rays_start_up(tiny_
     import ray
 
     from ddtree import cli
+    from ddtree.serve import launch
 
     from .helpers import free_port
 
-    monkeypatch.setattr(cli, "PORT_WAIT_S", 1.0)
+    monkeypatch.setattr(launch, "PORT_WAIT_S", 1.0)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()

@@ -209,7 +209,7 @@ def tree_gains(p: list[float], depth: list[int], sources: list[int], factors: li
     reach = [0.0] * (1 + max(depth, default=0))
     out = [0.0]
     for pi, d, source in zip(p, depth, sources):
-        b = class_of(pi, source or DRAFTER)
+        b = class_of(pi, source)
         reach[d] += factors[b] * pi * (scale if b <= len(BINS) else 1.0)
         total, low = 0.0, 1.0
         for r in reach[1:]:
@@ -559,7 +559,7 @@ class BudgetPolicy:
         for r in self.bins:
             r.fade(1 - 1 / BATCH_MEMORY)
         for i, (p, source) in enumerate(zip(kept.p, kept.sources), start=1):
-            b, hit = class_of(p, source or DRAFTER), float(i in path)
+            b, hit = class_of(p, source), float(i in path)
             self.bins[b].add(hit, p)
             if b <= len(BINS):
                 state.factor.add(hit, factors[b] * p)

@@ -334,11 +334,7 @@ inline void lookup_nibbles(const uint8_t* q, __m512 table, __m512 w[2]) {
   w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
 }
 
-// A block's weights as two vectors of sixteen (inputs 0-15, 16-31): the same values as the
-// AVX2 decode's, element by element.
-// The fp16 values at b and b + 2 (a block's d and m), each in all 16 lanes: the four bytes
-// broadcast by a load, one conversion for both and two in-lane duplications, instead of a
-// conversion and a broadcast from a register each (the same conversion, so the same floats)
+// half_pair in all 16 lanes
 inline void half_pair(const uint8_t* b, __m512& first, __m512& second) {
   const __m256i both = _mm256_castps_si256(_mm256_broadcast_ss(reinterpret_cast<const float*>(b)));
   const __m512 pairs = _mm512_cvtph_ps(both);  // first, second, first, second, ...
@@ -346,6 +342,8 @@ inline void half_pair(const uint8_t* b, __m512& first, __m512& second) {
   second = _mm512_movehdup_ps(pairs);
 }
 
+// A block's weights as two vectors of sixteen (inputs 0-15, 16-31): the same values as the
+// AVX2 decode's, element by element.
 inline void decode(Q4_0, const uint8_t* b, __m512 w[2]) {
   const __m512 centered = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);  // q - 8, exact
   __m512 d, unused;
