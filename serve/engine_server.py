@@ -88,12 +88,14 @@ class BatchDriver:
         self.queues: dict[int, asyncio.Queue] = {}
         self.wake: asyncio.Event | None = None
         self.task: asyncio.Task | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # the loop the steps' updates go to
 
     def submit(self, request: Request) -> int:
         """Queues a request; ValueError (it cannot run) or QueueFull (no room) at once."""
         if self.task is None or self.task.done():
+            self.loop = asyncio.get_running_loop()  # before the request reaches the scheduler
             self.wake = asyncio.Event()
-            self.task = asyncio.get_running_loop().create_task(self._run())
+            self.task = self.loop.create_task(self._run())
         seq_id = self.scheduler.add(request)
         self.queues[seq_id] = asyncio.Queue()
         self.wake.set()
@@ -144,13 +146,20 @@ class BatchDriver:
                 self.queues.clear()
 
     def _steps(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On the worker thread: steps while there is work, each step's updates handed to the loop
-        (in step order, before this call's own end or error reaches it)."""
-        while self.scheduler.has_work:
+        """On the worker thread: steps while there is work, each step's updates handed to the
+        driver's loop (in step order, before this call's own end or error reaches it). A run
+        started for a loop that has since been replaced (each `asyncio.run` is a new loop) stops
+        after its step in flight, whose updates go to the new loop: that step may have taken in
+        a request submitted there, whose first tokens would be lost on the closed one. The new
+        loop's own run steps on."""
+        while self.scheduler.has_work and self.loop is loop:
             updates = self.scheduler.step()
             if self.on_step is not None:
                 self.on_step(self.scheduler)
-            loop.call_soon_threadsafe(self._deliver, updates)
+            try:
+                self.loop.call_soon_threadsafe(self._deliver, updates)
+            except RuntimeError:  # the loop closed and none replaced it: its streams are gone
+                return
 
     def _deliver(self, updates: list[tuple[int, Update]]) -> None:
         for seq_id, update in updates:

@@ -328,6 +328,54 @@ def test_the_steps_go_on_while_the_event_loop_is_busy(tiny_chat_model):
     assert events[-1]["type"] == "end" and server.driver.queues == {}
 
 
+def test_a_new_event_loop_gets_every_update_while_the_last_loops_steps_finish(tiny_chat_model):
+    """The worker thread's run of steps handed each step's updates to the loop that started it.
+    When that loop ended (each `asyncio.run` is a new one) while the run was inside a step, the
+    step took in the request submitted meanwhile on the next loop, and its updates went to the
+    closed loop, which refused them: the new stream began late (seen once in CI, in the test
+    above, as a delta missing its first two tokens). Updates now go to the driver's loop of the
+    moment, and a run whose loop was replaced stops after its step."""
+    import asyncio
+    import threading
+
+    from ddtree.serve.engine_server import EngineServer
+
+    server = EngineServer({"model": str(tiny_chat_model), "budget": 0, "block_size": 4})
+    body = {"kind": "chat", "messages": CHAT_SAMPLE, "max_tokens": 12, "temperature": 0}
+    expected = [t for e in _read_stream(server, body, behind=False) if e["type"] == "delta" for t in e["tokens"]]
+    scheduler = server.engine.scheduler
+    step, hold, held, release = scheduler.step, threading.Event(), threading.Event(), threading.Event()
+
+    def held_step():
+        if hold.is_set() and not held.is_set():
+            held.set()
+            release.wait(30)  # before the step takes in the arrivals
+        return step()
+
+    scheduler.step = held_step
+
+    async def leave_while_a_step_is_held() -> None:
+        stream = server.stream(body)
+        await stream.__anext__()  # the start
+        await stream.__anext__()  # the first delta
+        hold.set()
+        await stream.aclose()  # its cancellation is work: the run's next step holds
+        await asyncio.get_running_loop().run_in_executor(None, held.wait, 30)
+
+    asyncio.run(leave_while_a_step_is_held())  # the loop ends while its run of steps is held
+    assert held.is_set()
+
+    async def read_on_a_new_loop() -> list[dict]:
+        stream = server.stream(body)
+        events = [await stream.__anext__()]  # submitted: the held step will take it in
+        release.set()
+        return events + [event async for event in stream]
+
+    events = asyncio.run(read_on_a_new_loop())
+    assert [t for e in events if e["type"] == "delta" for t in e["tokens"]] == expected
+    assert events[-1]["type"] == "end" and events[-1]["usage"]["completion_tokens"] == 12
+
+
 def test_every_forward_of_a_served_engine_runs_on_its_step_thread(tiny_chat_model):
     """OpenMP (libgomp) keeps a team of worker threads for each thread that calls into it, and
     once it counts more of its threads than cores it stops spinning between parallel regions:
