@@ -64,6 +64,11 @@ class ServeConfig(ModelPairConfig):
         "rows (static shapes) and the drafter's top-K per depth, so this bounds a request's memory. "
         "Raise it only with the memory to match."
     )
+    stream_interval: int = Field(
+        1, ge=1, description="Fewest new tokens a streamed delta carries, but the first and the last: "
+        "1 sends each step's tokens as it ends; more sends fewer, larger SSE events (less serving work "
+        "a token, coarser streaming), as vLLM's --stream-interval."
+    )
     retry_after_s: int = Field(1, ge=1, description="Retry-After, in seconds, of a 429 or 503.")
     graceful_shutdown_timeout_s: float = Field(
         30.0, ge=0, description="On shutdown, how long in-flight requests may run to completion; new "

@@ -311,8 +311,9 @@ class EngineServer:
             return
         updates = self.driver.updates(seq_id)  # its queue now: it may finish before the start is read
         tokens: list[int] = []
+        unsent = 0  # the newest tokens not yet in a delta (stream_interval holds them)
         deltas = TextDeltas(self.engine.decode, request.stop)
-        last, started = arrived, False
+        last, started, sent = arrived, False, False
         try:
             # queued: the client hears back now, before the first token
             start = {"type": "start", "prompt_tokens": len(request.prompt),
@@ -322,7 +323,8 @@ class EngineServer:
             yield start
             # One delta event for what a step emitted (a round's accepted tokens and its bonus),
             # or for several steps' when this stream's reader fell behind: one Ray stream item
-            # and one SSE event per step at most, never one per token.
+            # and one SSE event per step at most, never one per token. After the first, a delta
+            # waits until it holds `stream_interval` tokens (or the request ends).
             async for batch in updates:
                 now = time.perf_counter()
                 new_tokens = [t for update in batch for t in update.new_tokens]
@@ -336,11 +338,15 @@ class EngineServer:
                     if update.round is not None:
                         self.metrics.round(update.round)
                 tokens.extend(new_tokens)
+                unsent += len(new_tokens)
                 self.metrics.output_tokens(len(new_tokens))
                 result = batch[-1].result
+                if result is None and sent and unsent < self.config.stream_interval:
+                    continue
                 text = deltas.finish(result.text or "") if result is not None else deltas.push(tokens)
-                if text or new_tokens:
-                    yield {"type": "delta", "text": text, "tokens": new_tokens}
+                if text or unsent:
+                    yield {"type": "delta", "text": text, "tokens": tokens[len(tokens) - unsent:]}
+                    unsent, sent = 0, True
                 if result is not None:
                     yield {"type": "end", "finish_reason": result.finish_reason,
                            "usage": self.usage(request, result)}

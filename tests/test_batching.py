@@ -328,6 +328,27 @@ def test_the_steps_go_on_while_the_event_loop_is_busy(tiny_chat_model):
     assert events[-1]["type"] == "end" and server.driver.queues == {}
 
 
+def test_a_stream_interval_sends_fewer_larger_deltas_of_the_same_tokens(tiny_chat_model):
+    """`stream_interval: 4` holds a stream's tokens until a delta has 4 (the first delta and the
+    last excepted): the same tokens, text and usage as the default's one delta a step, in fewer
+    events."""
+    from ddtree.serve.engine_server import EngineServer
+
+    body = {"kind": "chat", "messages": CHAT_SAMPLE, "max_tokens": 15, "temperature": 0}
+    streams = {}
+    for interval in (1, 4):
+        server = EngineServer({"model": str(tiny_chat_model), "budget": 0, "block_size": 4,
+                               "stream_interval": interval})
+        streams[interval] = _read_stream(server, body, behind=False)
+    deltas = {k: [e for e in events if e["type"] == "delta"] for k, events in streams.items()}
+    assert len(deltas[1]) > 6  # budget 0: about a delta a step (15 steps)
+    sizes = [len(d["tokens"]) for d in deltas[4]]
+    assert all(size >= 4 for size in sizes[1:-1]) and len(sizes) <= 5, sizes  # 15 = 1 + 4 + 4 + 4 + 2 at most
+    assert [t for d in deltas[4] for t in d["tokens"]] == [t for d in deltas[1] for t in d["tokens"]]
+    assert "".join(d["text"] for d in deltas[4]) == "".join(d["text"] for d in deltas[1])
+    assert streams[4][-1] == streams[1][-1]  # the end event: finish reason, usage
+
+
 def test_a_new_event_loop_gets_every_update_while_the_last_loops_steps_finish(tiny_chat_model):
     """The worker thread's run of steps handed each step's updates to the loop that started it.
     When that loop ended (each `asyncio.run` is a new one) while the run was inside a step, the
