@@ -16,7 +16,7 @@ from ddtree.config import SamplingParams
 from ddtree.kernels.tree import DRAFTER, LOOKUP, Candidates, Lookup, build_tree, grow_tree
 from ddtree.workers.drafter import DFlashDrafter
 from ddtree.workers.policy import (BINS, EMA, GROWTH, MIN_WIDTH, MISFIT_STEPS, BudgetPolicy, CostCurve, LinearCost, PlanRow,
-                                    RowReport, StepReport, _Kept, tree_gains)
+                                    RowReport, SEQ_MEMORY, StepReport, _Kept, tree_gains)
 from ddtree.workers.requests import Request
 from ddtree.workers.scheduler import FEATURE_CHUNKS, BatchLimits, PendingFeatures, Scheduler
 from ddtree.workers.solo import SoloLoop
@@ -141,6 +141,30 @@ def test_fewer_nodes_as_acceptance_falls(packed):
     policy = BudgetPolicy(CostCurve({1: 0.030, 1024: 0.030 + 1023 * 0.001}), packed=packed)
     granted = [policy.choose(1, BUCKETS, [concave(t)], 0.010).nodes[0] for t in (4.0, 2.0, 1.0, 0.5, 0.05)]
     assert granted == sorted(granted, reverse=True) and granted[0] > 0 and granted[-1] == 0, granted
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_sequences_still_prefilling_price_the_step_at_the_batch_they_join(packed):
+    """While most of a batch is still prefilling, a second spent on trees now is a second the
+    joined batch decodes less: the same trees are granted no more nodes as more sequences are
+    joining, and none where the joined batch's plain rate beats what they add."""
+    granted = []
+    for joining in (0, 6, 62):
+        policy = BudgetPolicy(CostCurve({1: 0.030, 1024: 0.030 + 1023 * 0.002}), packed=packed)
+        granted.append(sum(policy.choose(2, BUCKETS, [concave(3.0)] * 2, 0.010, joining=joining).nodes))
+    assert granted == sorted(granted, reverse=True) and granted[0] > 0 == granted[-1], granted
+
+
+def test_a_catch_up_is_priced_over_the_rounds_its_tokens_left_can_use():
+    """An idle sequence's catch-up rows buy the rounds after it: spread over SEQ_MEMORY rounds
+    where it has many tokens left, but charged whole where it has one round left to draft."""
+    policy, curve = BudgetPolicy(), concave(3.0, 8)
+    steady = 1 + curve[-1]
+    assert policy._priced_context(PlanRow(1, 2), curve) == 2  # a round's own rows: as they are
+    assert policy._priced_context(PlanRow(1, 300), curve) == pytest.approx(steady + (300 - steady) / SEQ_MEMORY)
+    assert policy._priced_context(PlanRow(1, 300, left=2), curve) == 300
+    left = 30  # about 8 rounds of steady tokens
+    assert policy._priced_context(PlanRow(1, 300, left=left), curve) == pytest.approx(steady + (300 - steady) * steady / left)
 
 
 def chain_tree(p: float = 0.8, depth: int = 6):
@@ -318,10 +342,10 @@ class RandomQ(BudgetPolicy):
         super().__init__(CostCurve({1: 1.0}))
         self.g = random.Random(seed)
 
-    def plan(self, batch, buckets, rows, fixed_drafting=0, fixed_nodes=0):
+    def plan(self, batch, buckets, rows, fixed_drafting=0, fixed_nodes=0, joining=0):
         return [self.draft_of(r.seq_id, buckets[-1] - 1) for r in rows]
 
-    def _allocate(self, batch, buckets, curves, fixed_nodes, fixed_drafting, context, sunk=0.0):
+    def _allocate(self, batch, buckets, curves, fixed_nodes, fixed_drafting, context, sunk=0.0, joining=0):
         q = self.g.choice(buckets)
         return [min(len(c) - 1, self.g.randrange(q) if self.packed else q - 1) for c in curves], 1.0
 

@@ -11,8 +11,8 @@ The step's rate, for B decoding sequences of which the set S drafts, tree s gran
   refreshed from every step's own forward at the rows it computed.
 - D(k, R) = d0 + d1 k + c R: the drafter's pass over k sequences taking in R context rows (a
   sequence's target features since its last draft). An idle sequence's catch-up rows past one
-  round's are priced over the SEQ_MEMORY rounds its estimate vouches for: paid once, they buy
-  every later round.
+  round's are priced over the rounds they buy: the SEQ_MEMORY its estimate vouches for, fewer
+  where its max_tokens leaves fewer.
 - O(B, N) = o0 + o1 B + o2 N: the rest of the step (growing, walking and committing the trees).
   D and O are least-squares fits (`LinearCost`) to the live steps, faded over COST_MEMORY steps.
 
@@ -54,6 +54,9 @@ Both decisions maximize the rate the same way (`_allocate`, Dinkelbach's method)
 a sequence's tree is worth max_n E_s(n) - rho kappa n - rho c R_s (kappa: a node's seconds), the
 best set of sequences is a prefix of them by worth against the shared D(k), the set's exact rate
 becomes the next rho, until it stops rising; per Q on a padded device, once on a packed one.
+The J sequences still prefilling join the batch within a few steps, so a second now is worth the
+joined batch's rate: both decisions count them as the plain rows they will be (B + J tokens, and
+V + O at B + J rows less at B added to the step's seconds), and a tree pays only if it beats that.
 
 Sequences with a fixed budget keep it; Q never goes below what they need. The policy only chooses
 tree shapes, never tokens: output is the target's own at every Q.
@@ -264,6 +267,7 @@ class PlanRow:
 
     seq_id: int
     context: int  # target feature rows its draft would take in
+    left: int = 1 << 30  # tokens it may still commit (its max_tokens less its output)
 
 
 @dataclass
@@ -420,11 +424,12 @@ class BudgetPolicy:
     # --- the decisions ----------------------------------------------------------------------------
 
     def plan(self, batch: int, buckets: list[int], rows: list[PlanRow], fixed_drafting: int = 0,
-             fixed_nodes: int = 0) -> list[Draft | None]:
+             fixed_nodes: int = 0, joining: int = 0) -> list[Draft | None]:
         """Before drafting: per auto sequence (`rows`), its draft, or None where it does not draft:
         the set of the highest rate at its optimistic E_s (`expected`), beside `fixed_drafting`
-        sequences of fixed budgets drafting `fixed_nodes` nodes. Before any tree was seen, the
-        first sequence drafts, to give the batch an expected tree."""
+        sequences of fixed budgets drafting `fixed_nodes` nodes, `joining` sequences prefilling
+        (`_allocate`). Before any tree was seen, the first sequence drafts, to give the batch an
+        expected tree."""
         if not rows:
             return []
         curves = [self.expected(r.seq_id) for r in rows]
@@ -432,7 +437,7 @@ class BudgetPolicy:
             chosen = {0}
         else:
             context = [self._priced_context(r, c) for r, c in zip(rows, curves)]
-            nodes, _ = self._allocate(batch, buckets, curves, fixed_nodes, fixed_drafting, context)
+            nodes, _ = self._allocate(batch, buckets, curves, fixed_nodes, fixed_drafting, context, joining=joining)
             chosen = {i for i, n in enumerate(nodes) if n}
         return [self.draft_of(r.seq_id, buckets[-1] - 1) if i in chosen else None for i, r in enumerate(rows)]
 
@@ -445,18 +450,20 @@ class BudgetPolicy:
 
     def _priced_context(self, row: PlanRow, curve: list[float] | None) -> float:
         """The context rows a draft is charged for: a round's own (1 + its expected gains), and the
-        rows of a catch-up past them spread over the SEQ_MEMORY rounds its estimate vouches for."""
+        rows of a catch-up past them spread over the rounds they buy: SEQ_MEMORY (its estimate
+        vouches for no more), or the rounds its tokens left fill at 1 + its gains a round."""
         steady = 1 + (curve or [0.0])[-1]
-        return row.context if row.context <= steady else steady + (row.context - steady) / SEQ_MEMORY
+        rounds = max(1.0, min(SEQ_MEMORY, row.left / steady))
+        return row.context if row.context <= steady else steady + (row.context - steady) / rounds
 
     def choose(self, batch: int, buckets: list[int], curves: list[list[float]], draft_s: float,
-               fixed_nodes: int = 0, ids: list[int | None] | None = None) -> Decision:
+               fixed_nodes: int = 0, ids: list[int | None] | None = None, joining: int = 0) -> Decision:
         """After drafting: each auto tree's granted nodes (a best-first prefix) and the step's Q,
         of the highest predicted rate, from the trees' exact curves (`curve`, `chain_curve`), the
         drafter's pass already spent (`draft_s`) and the fixed budgets' nodes. `ids`: per curve,
         the drafted sequence it is (None: a lookup chain alone), whose granted tree the next
-        draft is sized from."""
-        nodes, rate = self._allocate(batch, buckets, curves, fixed_nodes, 0, None, sunk=draft_s)
+        draft is sized from; `joining`: sequences prefilling (`_allocate`)."""
+        nodes, rate = self._allocate(batch, buckets, curves, fixed_nodes, 0, None, sunk=draft_s, joining=joining)
         for seq_id, n in zip(ids or [], nodes):
             if seq_id in self.sequences:
                 state = self.sequences[seq_id]
@@ -467,17 +474,21 @@ class BudgetPolicy:
         return Decision(q, nodes, [c[n] for c, n in zip(curves, nodes)], rate)
 
     def _allocate(self, batch: int, buckets: list[int], curves: list[list[float] | None], fixed_nodes: int,
-                  fixed_drafting: int, context: list[float] | None, sunk: float = 0.0) -> tuple[list[int], float]:
+                  fixed_drafting: int, context: list[float] | None, sunk: float = 0.0,
+                  joining: int = 0) -> tuple[list[int], float]:
         """Nodes per curve (0: none, or does not draft) of the highest rate (module docstring),
         and that rate. `context`: per curve, the rows its draft takes in (the plan: drafting
-        costs D); None: the draft is spent (`sunk` seconds) and every tree is free to take."""
+        costs D); None: the draft is spent (`sunk` seconds) and every tree is free to take.
+        `joining`: sequences still prefilling, priced as plain rows of the step."""
         c_row = self.draft.coefficient(1)
+        joined = self._seconds(batch + joining, 1, 0, 0, 0.0) - self._seconds(batch, 1, 0, 0, 0.0)  # the J's plain rows
 
         def seconds(q: int, nodes: int, k: int, rows: float) -> float:
             draft = self.draft.predict(fixed_drafting + k, rows) if fixed_drafting + k and context is not None else sunk
-            return self.verify_s(batch, q, fixed_nodes + nodes) + draft + self.rest.predict(batch, fixed_nodes + nodes)
+            nodes += fixed_nodes
+            return joined + self.verify_s(batch, q, nodes) + draft + self.rest.predict(batch, nodes)
 
-        best = ([0] * len(curves), batch / max(seconds(buckets[0], 0, 0, 0.0), 1e-12))
+        best = ([0] * len(curves), (batch + joining) / max(seconds(buckets[0], 0, 0, 0.0), 1e-12))
         options = [buckets[-1]] if self.packed else [q for q in buckets if q > 1]
         for q in options:
             rho, total = best[1], 0
@@ -507,7 +518,7 @@ class BudgetPolicy:
                     nodes[i] = n
                 total = sum(nodes)
                 rows = sum(context[i] for _, i, _ in worth) if context is not None else 0.0
-                tokens = batch + sum(curves[i][n] for _, i, n in worth)
+                tokens = batch + joining + sum(curves[i][n] for _, i, n in worth)
                 rate = tokens / max(seconds(q, total, len(worth), rows), 1e-12)
                 if rate > best[1]:
                     best = (nodes, rate)

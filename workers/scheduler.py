@@ -484,8 +484,9 @@ class Scheduler:
         most = buckets[-1] - 1
         auto = [r for r in rows if r.auto]
         fixed_asked = sum(r.nodes for r in fixed)  # the fixed budgets' nodes, before their trees grow
-        drafts = self.policy.plan(len(rows), buckets, [PlanRow(r.seq.id, r.pending) for r in auto], len(fixed),
-                                  fixed_asked)
+        joining = sum(not s.prefilled for s in self.running)  # they join the batch within a few steps
+        plan_rows = [PlanRow(r.seq.id, r.pending, r.seq.request.max_tokens - len(r.seq.output)) for r in auto]
+        drafts = self.policy.plan(len(rows), buckets, plan_rows, len(fixed), fixed_asked, joining)
         for r, d in zip(auto, drafts):
             if d is not None:  # each drafted tree grown as wide as the policy may grant it
                 r.drafts, r.nodes, r.depth, r.explores = True, d.width, d.depth, d.explores
@@ -542,7 +543,8 @@ class Scheduler:
         lookup branch alone is grown to them)."""
         fixed_nodes = sum(r.tree.size - 1 for r in rows if r.curve is None)
         decision = self.policy.choose(len(rows), buckets, [r.curve for r in auto_trees], draft_s, fixed_nodes,
-                                      [r.seq.id if r.proposal is not None else None for r in auto_trees])
+                                      [r.seq.id if r.proposal is not None else None for r in auto_trees],
+                                      sum(not s.prefilled for s in self.running))
         for r, nodes, predicted in zip(auto_trees, decision.nodes, decision.predicted):
             r.nodes, r.predicted = nodes, predicted
             if r.proposal is not None:
