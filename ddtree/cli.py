@@ -99,21 +99,6 @@ def _serve_config(args: argparse.Namespace):
     return ServeConfig.model_validate(fields)
 
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
-def _ray_init_options(args: argparse.Namespace) -> dict:
-    """ray.init's options for `ddtree serve`. Ray binds its metrics endpoint to the node's address
-    when that is a loopback one and to every interface otherwise; so a server whose metrics host
-    (by default, the API's host) is loopback runs its Ray node on 127.0.0.1, which keeps the
-    metrics endpoint (and Ray's own ports) on this machine."""
-    options = {"include_dashboard": False, "_metrics_export_port": args.metrics_port}
-    metrics_host = args.metrics_host or args.host
-    if metrics_host in LOOPBACK_HOSTS or metrics_host.startswith("127."):
-        options["_node_ip_address"] = "127.0.0.1"
-    return options
-
-
 def _serve(args: argparse.Namespace) -> int:
     try:
         config = _serve_config(args)
@@ -138,11 +123,12 @@ def _serve(args: argparse.Namespace) -> int:
     from .serve import launch
     from .serve.app import build_app
 
-    held = launch.wait_for_ports({"the API": args.port, "Ray's metrics": args.metrics_port})
+    held = launch.wait_for_ports([("the API", "--port", args.port),
+                                  ("Ray's metrics", "--metrics-port", args.metrics_port)])
     if held is not None:
         print(f"ddtree serve: {held}", file=sys.stderr)
         return 2
-    options = _ray_init_options(args)
+    options = launch.ray_init_options(args.host, args.metrics_host, args.metrics_port)
     # Serve's HTTP proxy hands each request and its stream's events to the ingress over gRPC
     # rather than through Ray's object store (less CPU a token; docs/deployment.md, "Cores").
     # The local Ray's processes inherit it; a value the caller set is kept.

@@ -273,7 +273,8 @@ def test_api_key_required_on_every_route_but_health(apps):
 
 
 def test_api_keys_from_the_environment_and_the_cli(monkeypatch):
-    from ddtree.cli import _ray_init_options, _serve_config, build_parser
+    from ddtree.cli import _serve_config, build_parser
+    from ddtree.serve.launch import ray_init_options
     from ddtree.serve.config import ServeConfig
     from ddtree.serve.openai_api import Guard
 
@@ -291,11 +292,14 @@ def test_api_keys_from_the_environment_and_the_cli(monkeypatch):
     config = _serve_config(serve_args("--api-key", "flag"))
     assert [k.get_secret_value() for k in config.api_key] == ["flag", "env-one", "env-two"]
     assert "flag" not in repr(config) and "env-one" not in str(config.model_dump())
+    def init_options(args):  # from the flags `ddtree serve` parsed
+        return ray_init_options(args.host, args.metrics_host, args.metrics_port)
+
     # Ray's metrics endpoint follows the API onto loopback unless told otherwise
-    assert _ray_init_options(serve_args())["_node_ip_address"] == "127.0.0.1"
-    assert "_node_ip_address" not in _ray_init_options(serve_args("--host", "0.0.0.0"))
+    assert init_options(serve_args())["_node_ip_address"] == "127.0.0.1"
+    assert "_node_ip_address" not in init_options(serve_args("--host", "0.0.0.0"))
     exposed_api = serve_args("--host", "0.0.0.0", "--metrics-host", "127.0.0.1")
-    assert _ray_init_options(exposed_api)["_node_ip_address"] == "127.0.0.1"
+    assert init_options(exposed_api)["_node_ip_address"] == "127.0.0.1"
     with pytest.raises(ValueError, match="max_budget"):
         ServeConfig(budget=100)
 

@@ -481,7 +481,8 @@ class BudgetPolicy:
         costs D); None: the draft is spent (`sunk` seconds) and every tree is free to take.
         `joining`: sequences still prefilling, priced as plain rows of the step."""
         c_row = self.draft.coefficient(1)
-        joined = self._seconds(batch + joining, 1, 0, 0, 0.0) - self._seconds(batch, 1, 0, 0, 0.0)  # the J's plain rows
+        # the J's plain rows, added to every option's seconds
+        joined = self._seconds(batch + joining, 1, 0, 0, 0.0) - self._seconds(batch, 1, 0, 0, 0.0) if joining else 0.0
 
         def seconds(q: int, nodes: int, k: int, rows: float) -> float:
             draft = self.draft.predict(fixed_drafting + k, rows) if fixed_drafting + k and context is not None else sunk

@@ -466,6 +466,11 @@ class Scheduler:
         if self.policy.misfit() and any(r.seq.budget == "auto" for r in plan.rows):
             self._recalibrate(len(plan.rows) + nodes)
 
+    @property
+    def _joining(self) -> int:
+        """Sequences admitted but still prefilling: they join the decoding batch within a few steps."""
+        return sum(not s.prefilled for s in self.running)
+
     def _plan(self, rows: list[_Row]) -> StepPlan:
         """4. Who drafts, the drafter's one pass over them, and each row's tree. Fixed budgets ask
         for their nodes (cut to the step's row limit, `grant`); the policy plans which auto
@@ -484,9 +489,8 @@ class Scheduler:
         most = buckets[-1] - 1
         auto = [r for r in rows if r.auto]
         fixed_asked = sum(r.nodes for r in fixed)  # the fixed budgets' nodes, before their trees grow
-        joining = sum(not s.prefilled for s in self.running)  # they join the batch within a few steps
         plan_rows = [PlanRow(r.seq.id, r.pending, r.seq.request.max_tokens - len(r.seq.output)) for r in auto]
-        drafts = self.policy.plan(len(rows), buckets, plan_rows, len(fixed), fixed_asked, joining)
+        drafts = self.policy.plan(len(rows), buckets, plan_rows, len(fixed), fixed_asked, self._joining)
         for r, d in zip(auto, drafts):
             if d is not None:  # each drafted tree grown as wide as the policy may grant it
                 r.drafts, r.nodes, r.depth, r.explores = True, d.width, d.depth, d.explores
@@ -544,7 +548,7 @@ class Scheduler:
         fixed_nodes = sum(r.tree.size - 1 for r in rows if r.curve is None)
         decision = self.policy.choose(len(rows), buckets, [r.curve for r in auto_trees], draft_s, fixed_nodes,
                                       [r.seq.id if r.proposal is not None else None for r in auto_trees],
-                                      sum(not s.prefilled for s in self.running))
+                                      self._joining)
         for r, nodes, predicted in zip(auto_trees, decision.nodes, decision.predicted):
             r.nodes, r.predicted = nodes, predicted
             if r.proposal is not None:
