@@ -114,50 +114,9 @@ def _serve(args: argparse.Namespace) -> int:
         except KernelsUnavailable as err:
             print(f"ddtree serve: {err}", file=sys.stderr)
             return 2
-    import signal
-    import threading
-
-    import ray
-    from ray import serve
-
     from .serve import launch
-    from .serve.app import build_app
 
-    held = launch.wait_for_ports([("the API", "--port", args.port),
-                                  ("Ray's metrics", "--metrics-port", args.metrics_port)])
-    if held is not None:
-        print(f"ddtree serve: {held}", file=sys.stderr)
-        return 2
-    options = launch.ray_init_options(args.host, args.metrics_host, args.metrics_port)
-    # Serve's HTTP proxy hands each request and its stream's events to the ingress over gRPC
-    # rather than through Ray's object store (less CPU a token; docs/deployment.md, "Cores").
-    # The local Ray's processes inherit it; a value the caller set is kept.
-    os.environ.setdefault("RAY_SERVE_PROXY_USE_GRPC", "1")
-    ray.init(**options)
-    # after ray.init, whose own SIGTERM handler would replace this one; before the app serves
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    serve.start(http_options={"host": args.host, "port": args.port})
-    serve.run(build_app(config), name="ddtree", route_prefix="/")
-    metrics_host = options.get("_node_ip_address", "0.0.0.0")
-    print(
-        f"ddtree serves {config.served_name} (budget {config.budget}, per request: \"speculation\": {{\"budget\": N}}) on http://{args.host}:{args.port}/v1 ; "
-        f"metrics on http://{metrics_host}:{args.metrics_port}/metrics ; "
-        f"{'API keys required; ' if config.api_key else ''}Ctrl-C or SIGTERM stops (draining for up to "
-        f"{config.graceful_shutdown_timeout_s:g} s)",
-        flush=True,
-    )
-    # Not serve.run(blocking=True): it sleeps until a KeyboardInterrupt, so SIGTERM would have to
-    # raise one, and a SIGTERM during start-up would then break serve.run off mid-deployment.
-    # The handler above only sets `stop`, which is waited for here; the drain follows either way.
-    try:
-        stop.wait()
-    except KeyboardInterrupt:  # Ctrl-C
-        pass
-    launch.drain("ddtree", config.graceful_shutdown_timeout_s)
-    serve.shutdown()
-    ray.shutdown()
-    return 0
+    return launch.run(config, args.host, args.port, args.metrics_host, args.metrics_port)
 
 
 def _bench(args: argparse.Namespace) -> int:

@@ -1,11 +1,14 @@
-"""What `ddtree serve` does around Ray's start and stop: it waits for the ports a server stopped
-moments ago still holds before its own Ray starts, chooses where Ray's node (and its metrics
-endpoint) listens, and drains the requests in flight before the app shuts down."""
+"""`ddtree serve` (`run`): it waits for the ports a server stopped moments ago still holds before
+its own Ray starts, chooses where Ray's node (and its metrics endpoint) listens, serves the app
+until SIGTERM or Ctrl-C, and drains the requests in flight before the app shuts down."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import sys
+import threading
 import time
 
 PORT_WAIT_S = 60.0  # how long `ddtree serve` waits for a port a stopped server's processes still hold
@@ -69,3 +72,47 @@ def drain(app_name: str, grace_s: float) -> None:
         print(f"ddtree serve: draining, {left} requests in flight", file=sys.stderr, flush=True)
         time.sleep(0.5)
         left = ingress.in_flight.remote().result()
+
+
+def run(config, host: str, port: int, metrics_host: str | None, metrics_port: int) -> int:
+    """Starts a local Ray and the app of `config` (a ServeConfig) on host:port, with Ray's metrics
+    on metrics_port, and serves until SIGTERM or Ctrl-C; then drains and shuts down. The exit
+    code: 0, or 2 when a port stays held."""
+    import ray
+    from ray import serve
+
+    from .app import build_app
+
+    held = wait_for_ports([("the API", "--port", port), ("Ray's metrics", "--metrics-port", metrics_port)])
+    if held is not None:
+        print(f"ddtree serve: {held}", file=sys.stderr)
+        return 2
+    options = ray_init_options(host, metrics_host, metrics_port)
+    # Serve's HTTP proxy hands each request and its stream's events to the ingress over gRPC
+    # rather than through Ray's object store (less CPU a token; docs/deployment.md, "Cores").
+    # The local Ray's processes inherit it; a value the caller set is kept.
+    os.environ.setdefault("RAY_SERVE_PROXY_USE_GRPC", "1")
+    ray.init(**options)
+    # after ray.init, whose own SIGTERM handler would replace this one; before the app serves
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_app(config), name="ddtree", route_prefix="/")
+    print(
+        f"ddtree serves {config.served_name} (budget {config.budget}, per request: \"speculation\": {{\"budget\": N}}) "
+        f"on http://{host}:{port}/v1 ; metrics on http://{options.get('_node_ip_address', '0.0.0.0')}:{metrics_port}"
+        f"/metrics ; {'API keys required; ' if config.api_key else ''}Ctrl-C or SIGTERM stops (draining for up to "
+        f"{config.graceful_shutdown_timeout_s:g} s)",
+        flush=True,
+    )
+    # Not serve.run(blocking=True): it sleeps until a KeyboardInterrupt, so SIGTERM would have to
+    # raise one, and a SIGTERM during start-up would then break serve.run off mid-deployment.
+    # The handler above only sets `stop`, which is waited for here; the drain follows either way.
+    try:
+        stop.wait()
+    except KeyboardInterrupt:  # Ctrl-C
+        pass
+    drain("ddtree", config.graceful_shutdown_timeout_s)
+    serve.shutdown()
+    ray.shutdown()
+    return 0
