@@ -1,10 +1,12 @@
 """What a neighbour's bursts of CPU cost the engine in process: aggregate tokens/s of `--streams`
 closed-loop streams (`--requests` completions, ddtree.load_bench.run_inprocess) alone, beside a process that keeps `--duty` of one core busy in bursts of
-`--burst-ms` at nice 0, and beside the same process at nice 19, the three alternated `--rounds`
+`--burst-ms` at nice 0, beside the same process at nice 19, and beside the same bursts run by a
+Python thread of the engine's own process (which hold its GIL), the four alternated `--rounds`
 times. On a machine whose cores the engine's threads all use, this is what the serving path's
 own work (ingress, proxy, client, Ray's daemons) can cost a step beyond its CPU time: the step's
 threads meet at a barrier after every parallel region, so a neighbour that takes one of them
-stops both (docs/deployment.md, "Cores").
+stops both (docs/deployment.md, "Cores"). The thread against the nice-0 process tells whether
+sharing the step's process (its GIL) costs more than sharing its cores.
 
     python benchmarks/neighbour_load.py [--streams 8] [--requests 40] [--duty 0.15] [--rounds 2]
 """
@@ -17,6 +19,8 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -37,6 +41,15 @@ while True:
 """
 
 
+def burn(duty: float, period: float, stop: threading.Event) -> None:
+    """BURNER's loop on a thread of this process: its busy bursts hold the GIL."""
+    while not stop.is_set():
+        start = time.perf_counter()
+        while time.perf_counter() - start < duty * period:
+            pass
+        time.sleep(period * (1 - duty))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=8)
@@ -53,21 +66,27 @@ def main() -> None:
     prompts = [engine.render_chat([{"role": "user", "content": t}]) for t in mixed_prompts(24)]
     run_inprocess(engine, prompts, budget, args.streams, args.streams, args.max_tokens)  # warm
     period = args.burst_ms / 1000 / args.duty
-    rates: dict[str, list[float]] = {"alone": [], "nice 0": [], "nice 19": []}
+    rates: dict[str, list[float]] = {"alone": [], "nice 0": [], "nice 19": [], "a thread": []}
     for _ in range(args.rounds):
         for name in rates:
-            neighbour = None
-            if name != "alone":
+            neighbour, stop = None, threading.Event()
+            if name.startswith("nice"):
                 nice = int(name.split()[1])
                 neighbour = subprocess.Popen([sys.executable, "-c", BURNER, str(args.duty), str(period)],
                                              preexec_fn=lambda n=nice: os.nice(n))
+            elif name == "a thread":
+                neighbour = threading.Thread(target=burn, args=(args.duty, period, stop), daemon=True)
+                neighbour.start()
             try:
                 rates[name].append(run_inprocess(engine, prompts, budget, args.streams, args.requests,
                                                                args.max_tokens).tokens_per_s)
             finally:
-                if neighbour is not None:
+                stop.set()
+                if isinstance(neighbour, subprocess.Popen):
                     neighbour.kill()
                     neighbour.wait()
+                elif neighbour is not None:
+                    neighbour.join()
             print(f"{name}: {rates[name][-1]:.1f} tokens/s", flush=True)
     alone = statistics.median(rates["alone"])
     print(f"\n{args.streams} streams, budget {args.budget}, a neighbour busy {args.duty:.0%} of a core in "
