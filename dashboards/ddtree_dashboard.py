@@ -119,6 +119,15 @@ PANELS: tuple[PanelSpec, ...] = (
           "{{phase}}"),),
     ),
     PanelSpec(
+        "CUDA graphs", "short",
+        "Per replica: the verify forwards captured as CUDA graphs at start-up (0 on the CPU or with "
+        "cuda_graphs off), and the served verify steps that ran eagerly since it started, outside every "
+        "graph (more sequences, rows or context than any graph holds). Eager steps that keep rising "
+        "mean the captured buckets miss this load.",
+        ((f"max by (replica) (ray_ddtree_cuda_graphs_captured{{{SELECTOR}}})", "captured {{replica}}"),
+         (f"max by (replica) (ray_ddtree_cuda_graphs_eager_steps{{{SELECTOR}}})", "eager steps {{replica}}")),
+    ),
+    PanelSpec(
         "Requests running and queued", "short",
         "Requests generating, and requests waiting for their first step, summed over replicas.",
         ((f"sum(ray_ddtree_requests_running{{{SELECTOR}}})", "running"),

@@ -189,8 +189,8 @@ class EngineServer:
         self.metrics = EngineMetrics(self.config.served_name)
         graphs = self.engine.graph_stats  # None: no CUDA graphs
         self.metrics.set_kernels(self.engine.backends, graphs)
-        # the graphs' eager steps the metric has counted: start-up's calibration's are not
-        self._eager_steps = graphs.eager_steps if graphs is not None else 0
+        # the graphs' eager steps before serving (start-up's calibration's), which the metric leaves out
+        self._eager_at_start = graphs.eager_steps if graphs is not None else 0
         self.driver = BatchDriver(self.engine.scheduler, self.worker, self._step_metrics)
         logger.info(
             "ddtree engine ready: %s, budget %s, %d intra-op threads, linears %s, attention %s%s, %s, up to %d "
@@ -287,8 +287,7 @@ class EngineServer:
                                recalibrations=stats.get("recalibrations", 0))
         graphs = self.engine.graph_stats
         if graphs is not None:
-            self.metrics.eager_steps(graphs.eager_steps - self._eager_steps)
-            self._eager_steps = graphs.eager_steps
+            self.metrics.eager_steps(graphs.eager_steps - self._eager_at_start)
 
     async def stream(self, body: dict) -> AsyncIterator[dict]:
         arrived = time.perf_counter()

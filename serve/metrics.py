@@ -95,10 +95,11 @@ class EngineMetrics:
         self.graphs_bytes = tagged(metrics.Gauge(
             "ddtree_cuda_graphs_memory_bytes", description="GPU memory the CUDA graphs hold, in bytes.",
             tag_keys=("model",)))
-        self.graphs_eager = tagged(metrics.Counter(
+        self.graphs_eager = tagged(metrics.Gauge(
             "ddtree_cuda_graphs_eager_steps", description="Verify steps that ran eagerly, outside the captured "
-            "CUDA graphs (more sequences, other rows or a longer context than any graph holds).",
-            tag_keys=("model",)))
+            "CUDA graphs (more sequences, other rows or a longer context than any graph holds), since the "
+            "replica started serving (0 without graphs).", tag_keys=("model",)))
+        self.eager_total = 0  # what graphs_eager shows: set by eager_steps, again by set_kernels' thread
         self.running_gauge.set(0)
         self.queued_gauge.set(0)
         self.recalibrations.set(0)
@@ -124,14 +125,16 @@ class EngineMetrics:
                 self.graphs_captured.set(captured)
                 self.graphs_seconds.set(seconds)
                 self.graphs_bytes.set(size)
+                self.graphs_eager.set(self.eager_total)
                 time.sleep(KERNEL_INFO_REFRESH_S)
 
         threading.Thread(target=refresh, name="ddtree-kernel-info", daemon=True).start()
 
-    def eager_steps(self, n: int) -> None:
-        """`n` more verify steps ran outside the captured CUDA graphs."""
-        if n:
-            self.graphs_eager.inc(n)
+    def eager_steps(self, total: int) -> None:
+        """`total` verify steps have run outside the captured CUDA graphs since serving began."""
+        if total != self.eager_total:
+            self.eager_total = total
+            self.graphs_eager.set(total)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

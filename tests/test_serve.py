@@ -235,7 +235,7 @@ def test_metrics_reach_prometheus_endpoint(server, client):
         "ray_ddtree_accepted_tokens_by_source_total", "ray_ddtree_policy_probes_total",
         "ray_ddtree_policy_recalibrations", "ray_ddtree_kernel_backend_info",
         "ray_ddtree_cuda_graphs_captured", "ray_ddtree_cuda_graphs_capture_seconds",
-        "ray_ddtree_cuda_graphs_memory_bytes",
+        "ray_ddtree_cuda_graphs_memory_bytes", "ray_ddtree_cuda_graphs_eager_steps",
     ]
     deadline, text = time.time() + 90, ""
     while time.time() < deadline:
