@@ -196,3 +196,35 @@ def test_a_graphed_engine_gives_plain_decoding(engine, tiny_chat_model, monkeypa
     assert [r.tokens for r in got] == [r.tokens for r in engine.generate([engine.request(prompt, 10, r.sampling, budget=0)
                                                                           for r in requests])]
     assert any(r.tree_size > 1 for res in got for r in res.rounds) and graphed.graph_stats.replays > replays
+
+
+def test_a_graphed_replica_counts_the_steps_it_serves_eagerly(tiny_chat_model, monkeypatch):
+    """The eager-steps metric of a graphed replica: verify steps whose context outgrows every
+    captured graph (`cuda_graphs_max_context` 64 here) run eagerly, and after a request that
+    passes that length the replica's gauge shows those served steps and only those (start-up's
+    own forwards left out), as its /health details do. The graphs are workers.graphs' CPU
+    stand-in, the device told to be CUDA as above."""
+    import asyncio
+
+    import torch
+
+    from ddtree import engine as engine_module
+    from ddtree.serve.engine_server import EngineServer
+
+    real = engine_module.graph_settings
+    monkeypatch.setattr(engine_module, "graph_settings", lambda config, dev, *args: real(config, torch.device("cuda"), *args))
+    server = EngineServer({"model": str(tiny_chat_model), "budget": 0, "block_size": 4, "dtype": "float64",
+                           "max_num_seqs": 1, "max_step_tokens": 34, "cuda_graphs_max_context": 64})
+    stats = server.engine.graph_stats
+    before = stats.eager_steps
+    assert server.metrics.eager_total == 0
+
+    async def run():
+        body = {"kind": "chat", "messages": [{"role": "user", "content": "Tell me about trees."}], "max_tokens": 60,
+                "temperature": 0}
+        return [event async for event in server.stream(body)]
+
+    events = asyncio.run(run())
+    assert events[-1]["type"] == "end" and events[-1]["usage"]["prompt_tokens"] + 60 > 64
+    assert stats.eager_steps > before, "the steps past a context of 64 ran outside the graphs"
+    assert server.metrics.eager_total == stats.eager_steps - before == server.graph_info()["eager_steps"] - before
