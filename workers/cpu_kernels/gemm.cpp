@@ -69,6 +69,25 @@ inline void prefetch(const uint8_t* p) {
 #endif
 }
 
+// Hints to fetch into L2 the `bytes` bytes at rows + c * stride for c0 <= c < c1 (a prefetch never faults).
+inline void prefetch_columns_l2(const uint8_t* rows, int64_t stride, int64_t c0, int64_t c1, int64_t bytes) {
+  for (int64_t c = c0; c < c1; ++c) {
+    const uint8_t* p = rows + c * stride;
+    for (int64_t o = 0; o < bytes; o += 64) {
+#ifdef __SSE__
+      _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
+#else
+      __builtin_prefetch(p + o, 0, 2);
+#endif
+    }
+#ifdef __SSE__
+    _mm_prefetch(reinterpret_cast<const char*>(p + bytes - 1), _MM_HINT_T1);
+#else
+    __builtin_prefetch(p + bytes - 1, 0, 2);
+#endif
+  }
+}
+
 #ifdef __AVX512F__
 // sum_lanes of many vectors at once, the same additions in the same tree: lanes j and j + 8,
 // then j and j + 4, j and j + 2, j and j + 1 -- each step adds two vectors' worth of pairs in
@@ -695,8 +714,17 @@ void tiles(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N
         decode_strip<Block>(blocks + n0 * stride, stride, columns, g0, g1, w);
         const float* xs = x + m0 * K + k0;
         const int64_t steps = width / VLANES;
+        // The same inputs of the tile after next (its columns, spread over this chunk's row
+        // groups) are fetched into L2 while these rows multiply, so the weights keep streaming
+        // from memory meanwhile (decoding the next tile, its own prefetches then find them in L2).
+        const int64_t calls = (rows + 3) / 4, span_bytes = (g1 - g0) * Block::BYTES * GROUP / Block::VALUES;
+        const uint8_t* ahead = blocks + (n0 + 2 * TILE_N) * stride + g0 * Block::BYTES * GROUP / Block::VALUES;
         int64_t m = 0;
-        for (; m + 4 <= rows; m += 4) multiply_rows<4>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps);
+        for (int64_t i = 0; m + 4 <= rows; m += 4, ++i) {
+          prefetch_columns_l2(ahead, stride, TILE_N * i / calls, TILE_N * (i + 1) / calls, span_bytes);
+          multiply_rows<4>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps);
+        }
+        if (m < rows) prefetch_columns_l2(ahead, stride, TILE_N * (calls - 1) / calls, TILE_N, span_bytes);
         switch (rows - m) {
           case 3: multiply_rows<3>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps); break;
           case 2: multiply_rows<2>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps); break;
