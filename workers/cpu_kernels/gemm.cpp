@@ -69,25 +69,6 @@ inline void prefetch(const uint8_t* p) {
 #endif
 }
 
-// Hints to fetch into L2 the `bytes` bytes at rows + c * stride for c0 <= c < c1 (a prefetch never faults).
-inline void prefetch_columns_l2(const uint8_t* rows, int64_t stride, int64_t c0, int64_t c1, int64_t bytes) {
-  for (int64_t c = c0; c < c1; ++c) {
-    const uint8_t* p = rows + c * stride;
-    for (int64_t o = 0; o < bytes; o += 64) {
-#ifdef __SSE__
-      _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
-#else
-      __builtin_prefetch(p + o, 0, 2);
-#endif
-    }
-#ifdef __SSE__
-    _mm_prefetch(reinterpret_cast<const char*>(p + bytes - 1), _MM_HINT_T1);
-#else
-    __builtin_prefetch(p + bytes - 1, 0, 2);
-#endif
-  }
-}
-
 #ifdef __AVX512F__
 // sum_lanes of many vectors at once, the same additions in the same tree: lanes j and j + 8,
 // then j and j + 4, j and j + 2, j and j + 1 -- each step adds two vectors' worth of pairs in
@@ -269,28 +250,6 @@ inline void decode(Q8_0, const uint8_t* b, __m256 w[4]) {
   }
 }
 
-// The same decodes from the block's scale (and minimum) already converted to floats, s[0] = d,
-// s[1] = m (leading_scales): broadcast from memory, they take no vector ALU operation.
-inline void decode(Q4_0, const uint8_t* b, const float* s, __m256 w[4]) {
-  const __m256 eight = _mm256_set1_ps(8.0f), d = _mm256_set1_ps(s[0]);
-  nibbles(b + 2, w);
-  for (int i = 0; i < 4; ++i) w[i] = _mm256_mul_ps(d, _mm256_sub_ps(w[i], eight));
-}
-
-inline void decode(Q4_1, const uint8_t* b, const float* s, __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(s[0]), m = _mm256_set1_ps(s[1]);
-  nibbles(b + 4, w);
-  for (int i = 0; i < 4; ++i) w[i] = _mm256_fmadd_ps(d, w[i], m);
-}
-
-inline void decode(Q8_0, const uint8_t* b, const float* s, __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(s[0]);
-  for (int i = 0; i < 4; ++i) {
-    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
-    w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
-  }
-}
-
 // A group's 32 codes (Q5_0, Q5_1, the K-quants) as bytes: c[0] codes 0-15, c[1] codes 16-31.
 inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 
@@ -407,24 +366,6 @@ inline void decode(Q8_0, const uint8_t* b, __m512 w[2]) {
   }
 }
 
-// The same from converted scales (see the AVX2 decodes above)
-inline void decode(Q4_0, const uint8_t* b, const float* s, __m512 w[2]) {
-  const __m512 centered = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-  lookup_nibbles(b + 2, _mm512_mul_ps(_mm512_set1_ps(s[0]), centered), w);
-}
-
-inline void decode(Q4_1, const uint8_t* b, const float* s, __m512 w[2]) {
-  lookup_nibbles(b + 4, code_values(_mm512_set1_ps(s[0]), _mm512_set1_ps(s[1])), w);
-}
-
-inline void decode(Q8_0, const uint8_t* b, const float* s, __m512 w[2]) {
-  const __m512 d = _mm512_set1_ps(s[0]);
-  for (int i = 0; i < 2; ++i) {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * i));
-    w[i] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)));
-  }
-}
-
 // Group j of a K-quant super-block (a Q5_0 / Q5_1 block: j = 0) as two vectors of sixteen.
 template <typename Block>
 inline void decode(Block, const uint8_t* b, int j, __m512 w[2]) {
@@ -466,64 +407,6 @@ inline void decode_block(Block, const uint8_t* row, int64_t g, float* w) {
   Vec v[BLOCK_VECTORS];
   decode_group(Block{}, row, g, v);
   for (int i = 0; i < BLOCK_VECTORS; ++i) vstore_aligned(w + VLANES * i, v[i]);
-}
-
-// Blocks of 32 weights that start with their fp16 scale d (Q4_0, Q8_0) or d and minimum m (Q4_1):
-// `tiles` converts a strip's scales to floats 8 blocks at a time before decoding it, so that each
-// decode broadcasts them from memory (decode(Block, b, s, w)) instead of converting and
-// broadcasting them in registers, on the ports the multiply-adds use.
-template <typename Block>
-constexpr bool leading_scales(Block) { return false; }
-constexpr bool leading_scales(Q4_0) { return true; }
-constexpr bool leading_scales(Q4_1) { return true; }
-constexpr bool leading_scales(Q8_0) { return true; }
-
-constexpr int64_t STRIP_BLOCKS = TILE_N * TILE_K / GROUP;  // blocks a tile's strip holds at most
-
-// s[2 i], s[2 i + 1] = the fp16 values at rows[c] + g * BYTES and 2 bytes on, as floats, for the
-// strip's blocks i = c * (g1 - g0) + g - g0 (c < columns, g0 <= g < g1): the same conversion
-// (vcvtph2ps) as half_pair's, so the same floats.
-template <typename Block>
-inline void strip_scales(const uint8_t* blocks, int64_t stride, int64_t columns, int64_t g0, int64_t g1, float* s) {
-  alignas(64) uint32_t pairs[STRIP_BLOCKS];
-  int64_t n = 0;
-  for (int64_t c = 0; c < columns; ++c)
-    for (int64_t g = g0; g < g1; ++g) std::memcpy(&pairs[n++], blocks + c * stride + g * Block::BYTES, sizeof(uint32_t));
-  for (; n % 8; ++n) pairs[n] = 0;
-  for (int64_t i = 0; i < n; i += 8) {
-#ifdef __AVX512F__
-    _mm512_store_ps(s + 2 * i, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(pairs + i))));
-#else
-    for (int h = 0; h < 2; ++h)
-      _mm256_store_ps(s + 2 * i + 8 * h, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(pairs + i + 4 * h))));
-#endif
-  }
-}
-
-// The weights of groups [g0, g1) of `columns` rows (stride bytes apart) into w (TILE_K floats
-// a row), each exactly as decode_group gives it; prefetching the same blocks of the next tile's
-// rows (see few_rows).
-template <typename Block>
-inline void decode_strip(const uint8_t* rows, int64_t stride, int64_t columns, int64_t g0, int64_t g1, float* w) {
-  if constexpr (leading_scales(Block{})) {
-    alignas(64) float scales[2 * STRIP_BLOCKS];
-    strip_scales<Block>(rows, stride, columns, g0, g1, scales);
-    for (int64_t c = 0; c < columns; ++c)
-      for (int64_t g = g0; g < g1; ++g) {
-        const uint8_t* row = rows + c * stride;
-        prefetch(row + TILE_N * stride + g * Block::BYTES);
-        Vec v[BLOCK_VECTORS];
-        decode(Block{}, row + g * Block::BYTES, scales + 2 * (c * (g1 - g0) + g - g0), v);
-        for (int i = 0; i < BLOCK_VECTORS; ++i) vstore_aligned(w + c * TILE_K + (g - g0) * GROUP + VLANES * i, v[i]);
-      }
-  } else {
-    for (int64_t c = 0; c < columns; ++c)
-      for (int64_t g = g0; g < g1; ++g) {
-        const uint8_t* row = rows + c * stride;
-        prefetch(row + TILE_N * stride + g * Block::BYTES * GROUP / Block::VALUES);
-        decode_block(Block{}, row, g, w + c * TILE_K + (g - g0) * GROUP);
-      }
-  }
 }
 
 // acc[r][c][0..VLANES) += the products of R activation rows (x, row stride K) and C decoded
@@ -663,13 +546,6 @@ inline void decode_block(Block, const uint8_t* row, int64_t g, float* w) {
   else decode(Block{}, row + g / SUBS * Block::BYTES, static_cast<int>(g % SUBS), w);
 }
 
-// decode_strip as the vector builds' below, block by block
-template <typename Block>
-inline void decode_strip(const uint8_t* rows, int64_t stride, int64_t columns, int64_t g0, int64_t g1, float* w) {
-  for (int64_t c = 0; c < columns; ++c)
-    for (int64_t g = g0; g < g1; ++g) decode_block(Block{}, rows + c * stride, g, w + c * TILE_K + (g - g0) * GROUP);
-}
-
 template <int R, int C>
 inline void multiply_tile(const float* x, int64_t K, const float* w, float* acc, int64_t steps) {
   for (int r = 0; r < R; ++r)
@@ -710,21 +586,18 @@ void tiles(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N
       std::fill(acc, acc + rows * TILE_N * VLANES, 0.0f);
       for (int64_t k0 = 0; k0 < K; k0 += span) {
         const int64_t width = std::min(span, K - k0);
-        const int64_t g0 = k0 / GROUP, g1 = (k0 + width) / GROUP, stride = row_bytes<Block>(groups);
-        decode_strip<Block>(blocks + n0 * stride, stride, columns, g0, g1, w);
+        for (int64_t c = 0; c < columns; ++c) {
+          const uint8_t* row = blocks + (n0 + c) * row_bytes<Block>(groups);
+          for (int64_t g = k0 / GROUP; g < (k0 + width) / GROUP; ++g) {
+            // the next tile's block (see few_rows)
+            prefetch(row + TILE_N * row_bytes<Block>(groups) + g * Block::BYTES * GROUP / Block::VALUES);
+            decode_block(Block{}, row, g, w + c * TILE_K + (g - k0 / GROUP) * GROUP);
+          }
+        }
         const float* xs = x + m0 * K + k0;
         const int64_t steps = width / VLANES;
-        // The same inputs of the tile after next (its columns, spread over this chunk's row
-        // groups) are fetched into L2 while these rows multiply, so the weights keep streaming
-        // from memory meanwhile (decoding the next tile, its own prefetches then find them in L2).
-        const int64_t calls = (rows + 3) / 4, span_bytes = (g1 - g0) * Block::BYTES * GROUP / Block::VALUES;
-        const uint8_t* ahead = blocks + (n0 + 2 * TILE_N) * stride + g0 * Block::BYTES * GROUP / Block::VALUES;
         int64_t m = 0;
-        for (int64_t i = 0; m + 4 <= rows; m += 4, ++i) {
-          prefetch_columns_l2(ahead, stride, TILE_N * i / calls, TILE_N * (i + 1) / calls, span_bytes);
-          multiply_rows<4>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps);
-        }
-        if (m < rows) prefetch_columns_l2(ahead, stride, TILE_N * (calls - 1) / calls, TILE_N, span_bytes);
+        for (; m + 4 <= rows; m += 4) multiply_rows<4>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps);
         switch (rows - m) {
           case 3: multiply_rows<3>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps); break;
           case 2: multiply_rows<2>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps); break;
