@@ -571,80 +571,48 @@ void multiply_rows(const float* x, int64_t K, const float* w, float* acc, int64_
 }
 
 // Output columns of tiles [t0, t1) of y [M, N] from x [M, K] and W's blocks [N, K / 32, BYTES].
-// The work goes in steps, each a tile's panel of rows times one chunk of inputs (tile by tile,
-// panel by panel, chunk by chunk): a step multiplies its rows against its strip of decoded
-// weights while the next step's strip is decoded into the other buffer, a share before each
-// group of rows, so the decode's permutes and conversions issue beside the multiply-adds
-// instead of in a phase of their own (the out-of-order window cannot hold a whole strip).
 template <typename Block>
 void tiles(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1) {
-  alignas(64) float w[2][TILE_N * TILE_K];           // decoded weights [column][input], two strips
+  alignas(64) float w[TILE_N * TILE_K];             // decoded weights [column][input]
   alignas(64) float acc[PANEL_M * TILE_N * VLANES];  // partial sums [row][column][lane]
-  const int64_t groups = K / GROUP, stride = row_bytes<Block>(groups);
+  const int64_t groups = K / GROUP;
   const int64_t chunks = std::max<int64_t>(1, (K + TILE_K - 1) / TILE_K);
   const int64_t span = (groups + chunks - 1) / chunks * GROUP;  // inputs per chunk, chunks of even size
-  const int64_t spans = (K + span - 1) / span;
-  const int64_t panels = (M + PANEL_M - 1) / PANEL_M;  // of as even a size as PANEL_M allows (65 rows: 33 + 32)
-  const int64_t steps_total = (t1 - t0) * panels * spans;
-  // step s: its tile's first column and column count, its groups [g0, g1)
-  auto step_columns = [&](int64_t s, int64_t& n0, int64_t& columns, int64_t& g0, int64_t& g1) {
-    n0 = (t0 + s / (panels * spans)) * TILE_N;
-    columns = std::min(TILE_N, N - n0);
-    const int64_t k0 = s % spans * span;
-    g0 = k0 / GROUP;
-    g1 = (k0 + std::min(span, K - k0)) / GROUP;
-  };
-  // blocks [b0, b1) of step s's strip (block b: column b / (g1 - g0), group g0 + b % (g1 - g0))
-  auto decode_strip = [&](int64_t s, int64_t b0, int64_t b1, float* strip) {
-    int64_t n0, columns, g0, g1;
-    step_columns(s, n0, columns, g0, g1);
-    const int64_t count = g1 - g0;
-    int64_t c = b0 / count, g = g0 + b0 % count;
-    for (int64_t b = b0; b < b1; ++b) {
-      const uint8_t* row = blocks + (n0 + c) * stride;
-      // the next tile's block (see few_rows)
-      prefetch(row + TILE_N * stride + g * Block::BYTES * GROUP / Block::VALUES);
-      decode_block(Block{}, row, g, strip + c * TILE_K + (g - g0) * GROUP);
-      if (++g == g1) g = g0, ++c;
-    }
-  };
-  auto strip_blocks = [&](int64_t s) {
-    int64_t n0, columns, g0, g1;
-    step_columns(s, n0, columns, g0, g1);
-    return columns * (g1 - g0);
-  };
-  if (steps_total > 0) decode_strip(0, 0, strip_blocks(0), w[0]);
-  for (int64_t s = 0; s < steps_total; ++s) {
-    int64_t n0, columns, g0, g1;
-    step_columns(s, n0, columns, g0, g1);
-    const int64_t p = s / spans % panels, k0 = g0 * GROUP, width = (g1 - g0) * GROUP;
-    const int64_t m0 = M * p / panels, rows = M * (p + 1) / panels - m0;
-    if (s % spans == 0) std::fill(acc, acc + rows * TILE_N * VLANES, 0.0f);
-    const float* ws = w[s & 1];
-    float* next = w[(s + 1) & 1];
-    const int64_t next_blocks = s + 1 < steps_total ? strip_blocks(s + 1) : 0, calls = (rows + 3) / 4;
-    const float* xs = x + m0 * K + k0;
-    const int64_t steps = width / VLANES;
-    int64_t m = 0, i = 0;
-    for (; m + 4 <= rows; m += 4, ++i) {
-      if (next_blocks) decode_strip(s + 1, next_blocks * i / calls, next_blocks * (i + 1) / calls, next);
-      multiply_rows<4>(xs + m * K, K, ws, acc + m * TILE_N * VLANES, columns, steps);
-    }
-    if (next_blocks && m < rows) decode_strip(s + 1, next_blocks * i / calls, next_blocks, next);
-    switch (rows - m) {
-      case 3: multiply_rows<3>(xs + m * K, K, ws, acc + m * TILE_N * VLANES, columns, steps); break;
-      case 2: multiply_rows<2>(xs + m * K, K, ws, acc + m * TILE_N * VLANES, columns, steps); break;
-      case 1: multiply_rows<1>(xs + m * K, K, ws, acc + m * TILE_N * VLANES, columns, steps); break;
-    }
-    if (s % spans != spans - 1) continue;
-    for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t n0 = t * TILE_N, columns = std::min(TILE_N, N - n0);
+    const int64_t panels = (M + PANEL_M - 1) / PANEL_M;  // of as even a size as PANEL_M allows (65 rows: 33 + 32)
+    for (int64_t p = 0; p < panels; ++p) {
+      const int64_t m0 = M * p / panels, rows = M * (p + 1) / panels - m0;
+      std::fill(acc, acc + rows * TILE_N * VLANES, 0.0f);
+      for (int64_t k0 = 0; k0 < K; k0 += span) {
+        const int64_t width = std::min(span, K - k0);
+        for (int64_t c = 0; c < columns; ++c) {
+          const uint8_t* row = blocks + (n0 + c) * row_bytes<Block>(groups);
+          for (int64_t g = k0 / GROUP; g < (k0 + width) / GROUP; ++g) {
+            // the next tile's block (see few_rows)
+            prefetch(row + TILE_N * row_bytes<Block>(groups) + g * Block::BYTES * GROUP / Block::VALUES);
+            decode_block(Block{}, row, g, w + c * TILE_K + (g - k0 / GROUP) * GROUP);
+          }
+        }
+        const float* xs = x + m0 * K + k0;
+        const int64_t steps = width / VLANES;
+        int64_t m = 0;
+        for (; m + 4 <= rows; m += 4) multiply_rows<4>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps);
+        switch (rows - m) {
+          case 3: multiply_rows<3>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps); break;
+          case 2: multiply_rows<2>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps); break;
+          case 1: multiply_rows<1>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps); break;
+        }
+      }
+      for (int64_t m = 0; m < rows; ++m) {
 #ifdef __AVX512F__
-      float sums[TILE_N];  // all TILE_N columns' lanes (a short tile's last ones are zeros)
-      lane_sums<TILE_N>(reinterpret_cast<const __m512*>(acc + r * TILE_N * VLANES), sums);
-      for (int64_t c = 0; c < columns; ++c) y[(m0 + r) * N + n0 + c] = sums[c];
+        float sums[TILE_N];  // all TILE_N columns' lanes (a short tile's last ones are zeros)
+        lane_sums<TILE_N>(reinterpret_cast<const __m512*>(acc + m * TILE_N * VLANES), sums);
+        for (int64_t c = 0; c < columns; ++c) y[(m0 + m) * N + n0 + c] = sums[c];
 #else
-      for (int64_t c = 0; c < columns; ++c) y[(m0 + r) * N + n0 + c] = sum_lanes(acc + (r * TILE_N + c) * VLANES);
+        for (int64_t c = 0; c < columns; ++c) y[(m0 + m) * N + n0 + c] = sum_lanes(acc + (m * TILE_N + c) * VLANES);
 #endif
+      }
     }
   }
 }
