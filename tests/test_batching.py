@@ -270,7 +270,12 @@ def test_the_engine_streams_a_steps_tokens_as_one_event(accepting_model):
     body = {"kind": "chat", "messages": CHAT_SAMPLE, "max_tokens": 21, "temperature": 0}
     deltas = [e["tokens"] for e in _read_stream(server, body, behind=False) if e["type"] == "delta"]
     engine = server.engine
-    plain = engine.generate([engine.request(engine.render_chat(CHAT_SAMPLE), 21, SamplingParams(), budget=0)])[0]
+    # Plain decoding on the replica's own worker thread, after the driver's last run there: called
+    # from this thread, it once stepped the scheduler while that run, which had handed out the
+    # stream's last step and not yet looked for more work, found this request and stepped too
+    # (two threads in one step: a prefill written past its sequence's pages).
+    request = engine.request(engine.render_chat(CHAT_SAMPLE), 21, SamplingParams(), budget=0)
+    plain = server.worker.submit(engine.generate, [request]).result()[0]
     assert [t for d in deltas for t in d] == plain.tokens
     # 6 steps (the prefill, 5 rounds): an event each, or fewer where a step's waited for the next
     assert len(deltas) <= 6 and all(len(d) >= 4 for d in deltas[1:])
