@@ -25,7 +25,10 @@ LOOKUP_TOKENS = 10  # the chain's length at most (the tree's budget cuts it furt
 # Before any measurement: the probability that the target takes the chain's next token, by the
 # matched n-gram's length (a longer match predicts better), and how many rounds it weighs.
 PRIOR = {1: 0.2, 2: 0.35, 3: 0.5}
-PRIOR_WEIGHT = 2.0
+# A sequence's own rate leaves the engine-wide one only as its evidence nears the ~10 rounds
+# SEQ_DECAY keeps: weighed less, the chains chosen to verify alone are those whose few rounds came
+# out high by chance, and they are priced above what they take (a winner's curse).
+PRIOR_WEIGHT = 8.0
 SEQ_DECAY = 0.9  # a sequence's counts fade by this per round with a branch
 BATCH_DECAY = 0.995  # the engine-wide counts fade slower
 LEAST_PROBABILITY = 1e-4  # a chain depth never scores below this (log of 0 is no score)
