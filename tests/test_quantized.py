@@ -45,10 +45,10 @@ def kernel():
 
 
 # Shapes that break the kernel's tiling (workers/cpu_kernels/gemm.cpp, blocks_mm): 12 output columns per tile,
-# inputs decoded in chunks of at most 256 of even size, activation rows in register tiles of
-# 4 (then 3, 2, 1) and panels of 64; up to 5 rows (8 in an AVX-512 build) take the path that
-# decodes in registers, one row its own tile.
-# The K-quants' super-blocks of 256: 3 of them (an odd count, chunks of 256 inputs) and 5.
+# decoded 6 (AVX2: 3) at a time over all inputs, the last ones padded with zeros; activation rows
+# in register tiles of 3-4 rows (fewer only below 3) and panels of 64; up to 5 rows (8 in an
+# AVX-512 build) take the path that decodes in registers, one row its own tile.
+# The K-quants' super-blocks of 256: 3 of them (an odd count) and 5.
 TILE_ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 33, 64, 65, 130, 300]
 TILE_SHAPES = [(1, 32), (11, 96), (13, 256), (25, 288), (130, 576), (12, 800)]
 K_TILE_SHAPES = [(1, 256), (25, 768), (13, 1280)]
@@ -93,7 +93,7 @@ def test_kernel_equals_dequantized_linear(kind, rows, n, k):
                                        for n, k in ([(25, 768)] if kind in K_QUANTS else [(25, 288), (131, 576)])])
 def test_kernel_rows_do_not_depend_on_their_batch(kind, n, k):
     """Batch invariance: row r of an M-row call is bitwise the 1-row call on that row, for every M
-    (register tiles of 4, 3, 2, 1 rows, panels of 64, the register paths of 1 and of 2-5 rows;
+    (register tiles of 4 and 3 rows, panels of 64, the register paths of 1 and of 2-5 rows;
     the verify buckets' 5, 9, 17, 33, 65 rows among them) and with 1 or 2 threads, on odd output
     counts and odd numbers of blocks.
     A tree's rows are verified together; if a row's logits depended on how many rows came with it,

@@ -11,12 +11,13 @@
 // rows compute exactly what plain decoding of the same tokens computes, and a sequence's results
 // never depend on which other sequences share its step.
 //
-// blocks_mm: each thread takes a share of the output columns (W's rows), TILE_N at a time. A
-// tile's weights are decoded TILE_K inputs at a time into a small fp32 buffer that stays in L1
-// (exactly as gguf.quants de-quantizes them: an fp16 scale times a small integer code is exact in
-// fp32), and every activation row, up to PANEL_M of them, is multiplied against that buffer in
-// register tiles of R rows x C columns; so a weight is read from memory and decoded once per
-// PANEL_M rows, not once per few rows. Up to 5 rows (8 with AVX-512: plain decoding, a small
+// blocks_mm: each thread takes a share of the output columns (W's rows), TILE_N at a time, and
+// decodes them PASS_COLUMNS columns at a time over the whole of K into an fp32 buffer (exactly as
+// gguf.quants de-quantizes them: an fp16 scale times a small integer code is exact in fp32);
+// every activation row, up to PANEL_M of them, is multiplied against that buffer in register
+// tiles of up to PASS_ROWS rows x PASS_COLUMNS columns whose sums stay in registers from the
+// first input to the last; so a weight is read from memory and decoded once per PANEL_M rows,
+// not once per few rows. Up to 5 rows (8 with AVX-512: plain decoding, a small
 // tree's verify pass, a drafter's first depths) skip the buffer: each block is decoded in
 // registers and used at once for every row. Its result is F.linear over the de-quantized weights
 // up to the order of the float sums. With AVX-512 (SmolLM2's Q4_1 layers and Q8_0 head, 2 cores):
@@ -46,9 +47,14 @@ namespace ddtree_cpu {
 namespace {
 
 constexpr int64_t GROUP = 32;    // weights per GGUF block
-constexpr int64_t TILE_N = 12;   // output columns decoded together (R x C tiles below divide it)
-constexpr int64_t TILE_K = 256;  // inputs decoded together at most: a 12 KiB buffer
+constexpr int64_t TILE_N = 12;   // output columns per task step (PASS_COLUMNS divides it)
 constexpr int64_t PANEL_M = 64;  // activation rows multiplied per decoded tile
+#ifdef __AVX512F__
+constexpr int PASS_COLUMNS = 6;  // decoded columns a register tile of multiply_pass spans
+#else
+constexpr int PASS_COLUMNS = 3;
+#endif
+constexpr int64_t PASS_ROWS = 4;  // rows a register tile holds at most
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -409,27 +415,6 @@ inline void decode_block(Block, const uint8_t* row, int64_t g, float* w) {
   for (int i = 0; i < BLOCK_VECTORS; ++i) vstore_aligned(w + VLANES * i, v[i]);
 }
 
-// acc[r][c][0..VLANES) += the products of R activation rows (x, row stride K) and C decoded
-// weight columns (w, stride TILE_K) over `steps` spans of VLANES inputs; acc rows are
-// TILE_N * VLANES apart.
-template <int R, int C>
-inline void multiply_tile(const float* x, int64_t K, const float* w, float* acc, int64_t steps) {
-  Vec a[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) a[r][c] = vload_aligned(acc + (r * TILE_N + c) * VLANES);
-  int64_t s = 0;
-  do {  // steps >= 1; with a for loop GCC copied the 12 accumulators through the stack per call (-17%)
-    Vec wv[C];
-    for (int c = 0; c < C; ++c) wv[c] = vload_aligned(w + c * TILE_K + s * VLANES);
-    for (int r = 0; r < R; ++r) {
-      const Vec xv = vload(x + r * K + s * VLANES);
-      for (int c = 0; c < C; ++c) a[r][c] = vfmadd(wv[c], xv, a[r][c]);
-    }
-  } while (++s < steps);
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) vstore_aligned(acc + (r * TILE_N + c) * VLANES, a[r][c]);
-}
-
 // R activation rows (1-5, or 1-8 with AVX-512: plain decoding, a verify pass over a small tree,
 // a drafter's first depths) times C weight rows, each block decoded in registers once and used
 // at once for all R rows: the buffer of `tiles` pays for its stores and loads only when more rows
@@ -546,72 +531,92 @@ inline void decode_block(Block, const uint8_t* row, int64_t g, float* w) {
   else decode(Block{}, row + g / SUBS * Block::BYTES, static_cast<int>(g % SUBS), w);
 }
 
-template <int R, int C>
-inline void multiply_tile(const float* x, int64_t K, const float* w, float* acc, int64_t steps) {
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) {
-      float* a = acc + (r * TILE_N + c) * LANES;
-      for (int64_t s = 0; s < steps; ++s)
-        for (int j = 0; j < LANES; ++j) a[j] += w[c * TILE_K + s * LANES + j] * x[r * K + s * LANES + j];
-    }
-}
 #endif
 
-// Register tiles of R rows x C columns: C = TILE_N / R keeps 12 accumulators for any R (AVX2).
+#ifdef __AVX2__
+// v stays in a register from here on: without it GCC folds a weight vector's load into each of
+// its R multiply-adds (R * C + R loads a step instead of R + C, more than the two load ports give)
+inline void in_register(Vec& v) { asm("" : "+v"(v)); }
+#endif
+
+// y[r, c] (row stride N) for R rows of x (row stride K) against the PASS_COLUMNS decoded weight
+// columns of w [column][K] (only the first `columns` stored): the R x PASS_COLUMNS sums stay in
+// registers over the whole of K, each step of VLANES inputs loading PASS_COLUMNS weight vectors
+// and R activation vectors for R * PASS_COLUMNS fused multiply-adds. Not inlined: inside tiles'
+// loops GCC kept the AVX2 build's 12 sums on the stack.
 template <int R>
-void multiply_rows(const float* x, int64_t K, const float* w, float* acc, int64_t columns, int64_t steps) {
-#ifdef __AVX512F__
-  constexpr int C = R == 1 ? 12 : 6;  // up to 24 of the 32 registers: 0.85x the time of TILE_N / R at 9-33 rows
+__attribute__((noinline)) void multiply_pass(const float* x, int64_t K, const float* w, float* y, int64_t N, int64_t columns) {
+  constexpr int C = PASS_COLUMNS;
+#ifdef __AVX2__
+  Vec a[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) a[r][c] = vzero();
+  for (int64_t k = 0; k < K; k += VLANES) {
+    Vec wv[C];
+    for (int c = 0; c < C; ++c) {
+      wv[c] = vload_aligned(w + c * K + k);
+      in_register(wv[c]);
+    }
+    for (int r = 0; r < R; ++r) {
+      const Vec xv = vload(x + r * K + k);
+      for (int c = 0; c < C; ++c) a[r][c] = vfmadd(wv[c], xv, a[r][c]);
+    }
+  }
 #else
-  constexpr int C = TILE_N / R;
+  alignas(32) float a[R][C][LANES] = {};
+  for (int64_t k = 0; k < K; k += LANES)
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c)
+        for (int j = 0; j < LANES; ++j) a[r][c][j] += w[c * K + k + j] * x[r * K + k + j];
 #endif
-  int64_t c = 0;
-  for (; c + C <= columns; c += C) multiply_tile<R, C>(x, K, w + c * TILE_K, acc + c * VLANES, steps);
-  for (; c < columns; ++c) multiply_tile<R, 1>(x, K, w + c * TILE_K, acc + c * VLANES, steps);
+#ifdef __AVX512F__
+  float sums[R][C];
+  lane_sums<R * C>(&a[0][0], &sums[0][0]);
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < columns; ++c) y[r * N + c] = sums[r][c];
+#else
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < columns; ++c) y[r * N + c] = sum_lanes(a[r][c]);
+#endif
 }
 
-// Output columns of tiles [t0, t1) of y [M, N] from x [M, K] and W's blocks [N, K / 32, BYTES].
+// Output columns of tiles [t0, t1) of y [M, N] from x [M, K] and W's blocks [N, K / 32, BYTES]:
+// PASS_COLUMNS columns at a time are decoded over the whole of K into a buffer (zeros past N),
+// then the rows pass over it in groups of as even a size as PASS_ROWS allows, each group's sums
+// held in registers from the first input to the last (multiply_pass).
 template <typename Block>
 void tiles(const float* x, const uint8_t* blocks, float* y, int64_t M, int64_t N, int64_t K, int64_t t0, int64_t t1) {
-  alignas(64) float w[TILE_N * TILE_K];             // decoded weights [column][input]
-  alignas(64) float acc[PANEL_M * TILE_N * VLANES];  // partial sums [row][column][lane]
-  const int64_t groups = K / GROUP;
-  const int64_t chunks = std::max<int64_t>(1, (K + TILE_K - 1) / TILE_K);
-  const int64_t span = (groups + chunks - 1) / chunks * GROUP;  // inputs per chunk, chunks of even size
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t n0 = t * TILE_N, columns = std::min(TILE_N, N - n0);
-    const int64_t panels = (M + PANEL_M - 1) / PANEL_M;  // of as even a size as PANEL_M allows (65 rows: 33 + 32)
-    for (int64_t p = 0; p < panels; ++p) {
-      const int64_t m0 = M * p / panels, rows = M * (p + 1) / panels - m0;
-      std::fill(acc, acc + rows * TILE_N * VLANES, 0.0f);
-      for (int64_t k0 = 0; k0 < K; k0 += span) {
-        const int64_t width = std::min(span, K - k0);
-        for (int64_t c = 0; c < columns; ++c) {
-          const uint8_t* row = blocks + (n0 + c) * row_bytes<Block>(groups);
-          for (int64_t g = k0 / GROUP; g < (k0 + width) / GROUP; ++g) {
-            // the next tile's block (see few_rows)
-            prefetch(row + TILE_N * row_bytes<Block>(groups) + g * Block::BYTES * GROUP / Block::VALUES);
-            decode_block(Block{}, row, g, w + c * TILE_K + (g - k0 / GROUP) * GROUP);
-          }
-        }
-        const float* xs = x + m0 * K + k0;
-        const int64_t steps = width / VLANES;
-        int64_t m = 0;
-        for (; m + 4 <= rows; m += 4) multiply_rows<4>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps);
-        switch (rows - m) {
-          case 3: multiply_rows<3>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps); break;
-          case 2: multiply_rows<2>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps); break;
-          case 1: multiply_rows<1>(xs + m * K, K, w, acc + m * TILE_N * VLANES, columns, steps); break;
+  const int64_t groups = K / GROUP, stride = row_bytes<Block>(groups);
+  std::vector<float> storage(PASS_COLUMNS * K + 16);  // decoded weights [column][input], 64-byte aligned
+  float* w = storage.data() + (16 - reinterpret_cast<uintptr_t>(storage.data()) / sizeof(float) % 16) % 16;
+  const int64_t n1 = std::min(N, t1 * TILE_N);
+  const int64_t panels = (M + PANEL_M - 1) / PANEL_M;  // of as even a size as PANEL_M allows (65 rows: 33 + 32)
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t m0 = M * p / panels, rows = M * (p + 1) / panels - m0;
+    const int64_t parts = (rows + PASS_ROWS - 1) / PASS_ROWS;
+    for (int64_t n0 = t0 * TILE_N; n0 < n1; n0 += PASS_COLUMNS) {
+      const int64_t columns = std::min<int64_t>(PASS_COLUMNS, n1 - n0);
+      for (int64_t c = 0; c < columns; ++c) {
+        const uint8_t* row = blocks + (n0 + c) * stride;
+        for (int64_t g = 0; g < groups; ++g) {
+          // the next pass's block (see few_rows)
+          prefetch(row + PASS_COLUMNS * stride + g * Block::BYTES * GROUP / Block::VALUES);
+          decode_block(Block{}, row, g, w + c * K + g * GROUP);
         }
       }
-      for (int64_t m = 0; m < rows; ++m) {
-#ifdef __AVX512F__
-        float sums[TILE_N];  // all TILE_N columns' lanes (a short tile's last ones are zeros)
-        lane_sums<TILE_N>(reinterpret_cast<const __m512*>(acc + m * TILE_N * VLANES), sums);
-        for (int64_t c = 0; c < columns; ++c) y[(m0 + m) * N + n0 + c] = sums[c];
-#else
-        for (int64_t c = 0; c < columns; ++c) y[(m0 + m) * N + n0 + c] = sum_lanes(acc + (m * TILE_N + c) * VLANES);
-#endif
+      std::fill(w + columns * K, w + PASS_COLUMNS * K, 0.0f);
+      int64_t m = m0;
+      for (int64_t part = 0; part < parts; ++part) {
+        const int64_t r = (m0 + rows - m) / (parts - part);
+        const float* xs = x + m * K;
+        float* ys = y + m * N + n0;
+        switch (r) {
+          case 4: multiply_pass<4>(xs, K, w, ys, N, columns); break;
+          case 3: multiply_pass<3>(xs, K, w, ys, N, columns); break;
+          case 2: multiply_pass<2>(xs, K, w, ys, N, columns); break;
+          default: multiply_pass<1>(xs, K, w, ys, N, columns); break;
+        }
+        m += r;
       }
     }
   }
