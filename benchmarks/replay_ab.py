@@ -12,7 +12,11 @@ at 4 streams, 32 tokens) and then every concurrency in turn, as the A/B's one en
 
 Beside each concurrency's totals: predicted / realized over a sequence's drafted rounds 1-3,
 4-10 and past 10, where a short request (the A/B's: 32-96 tokens) spends most of its rounds
-early and the replayed table's 128-token ones (simulate_policies.py) the most late.
+early and the replayed table's 128-token ones (simulate_policies.py) the most late. A round
+counts if it verified any node: its tree was drafted (priced at the drafter's calibrated
+probabilities and the sequence's factor, `BudgetPolicy.curve`), or the plan left the sequence
+out and it verified its lookup chain alone (priced at the chain's own probabilities,
+`BudgetPolicy.chain_curve`); each age's two kinds are reported apart after it.
 
     python benchmarks/replay_ab.py [--cost cpu-epyc-2core] [--concurrency 1,4,16,64] [--warm]
         [--per-file 4] [--max-tokens 64] [--length-spread 0.5] [--requests-per-stream 2]
@@ -33,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from budget_policy import spread_lengths  # noqa: E402
 
 AGES = ((3, "rounds 1-3"), (10, "rounds 4-10"), (1 << 30, "rounds 11+"))  # a sequence's drafted rounds, by its count
+KINDS = ("drafted", "chain alone")  # a round's tree: the drafter's (lookup merged in), or the lookup chain alone
 
 
 def workload(trace: Trace, prompts: int, requests: int, lengths: int | list[int]) -> tuple[Trace, Trace]:
@@ -46,9 +51,9 @@ def workload(trace: Trace, prompts: int, requests: int, lengths: int | list[int]
 
 
 def replay(trace: Trace, prompts: int, cost: CostModel, streams: int, requests: int, lengths, policy: BudgetPolicy):
-    """One A/B cell of auto -> (SimRow, {age label: [predicted, accepted]})."""
+    """One A/B cell of auto -> (SimRow, {(age label, kind): [predicted, accepted]})."""
     committed, answered = workload(trace, prompts, requests, lengths)
-    by_age = {label: [0.0, 0] for _, label in AGES}
+    by_age = {(label, kind): [0.0, 0] for _, label in AGES for kind in KINDS}
 
     def seen(i, result):
         drafted = 0
@@ -57,8 +62,9 @@ def replay(trace: Trace, prompts: int, cost: CostModel, streams: int, requests: 
                 continue
             drafted += 1
             label = next(label for most, label in AGES if drafted <= most)
-            by_age[label][0] += r.predicted
-            by_age[label][1] += r.accepted
+            kind = KINDS[0] if r.draft_s > 0 else KINDS[1]  # a chain alone had no drafter pass
+            by_age[label, kind][0] += r.predicted
+            by_age[label, kind][1] += r.accepted
 
     scheduler = replay_scheduler(answered, cost, streams, lookup=True, policy=policy)
     return simulate(committed, cost, "auto", streams, requests, lookup=True, scheduler=scheduler,
@@ -88,13 +94,18 @@ def main() -> None:
         replay(trace, prompts, cost, 4, 12, 32, policy)
     print(f"{args.cost}, {prompts} prompts, {args.max_tokens} x [{1 - args.length_spread:g}, "
           f"{1 + args.length_spread:g}] tokens, lookup, {'one warm policy' if args.warm else 'a fresh policy a cell'}")
+    print(f"rounds by age: predicted / realized (accepted tokens), all / {KINDS[0]} / {KINDS[1]}")
     print("| streams | tokens/s | tau | predicted / realized | " + " | ".join(label for _, label in AGES) + " |")
     print("| --- | --- | --- | --- |" + " --- |" * len(AGES))
     for c in (int(x) for x in args.concurrency.split(",")):
         requests = min(64, max(12, round(c * args.requests_per_stream)))
         lengths = spread_lengths(args.max_tokens, args.length_spread, requests)
         row, by_age = replay(trace, prompts, cost, c, requests, lengths, policy if args.warm else BudgetPolicy())
-        ages = [f"{p / a:.2f} ({a})" if a else "" for p, a in by_age.values()]
+        ages = []
+        for _, label in AGES:
+            parts = [by_age[label, kind] for kind in KINDS]
+            ages.append(" / ".join(f"{p / a:.2f} ({a})" if a else "-" for p, a in
+                                   [[sum(x[0] for x in parts), sum(x[1] for x in parts)]] + parts))
         print(f"| {c} | {row.tokens_per_s:.1f} | {row.tau or 0:.2f} | {row.predicted / max(row.accepted, 1):.3f} | "
               + " | ".join(ages) + " |")
 
