@@ -128,6 +128,21 @@ inline void lane_sums(const __m512* v, float* out) {
 }
 #endif
 
+// y[r * N + c] = the lanes of a[r][c] summed (sum_lanes' tree), for the first `columns` of C
+// columns; a's entries are vectors, or LANES floats in the build without AVX2.
+template <int R, int C, typename Sums>
+inline void store_sums(const Sums (&a)[R][C], float* y, int64_t N, int64_t columns) {
+#ifdef __AVX512F__
+  float sums[R][C];
+  lane_sums<R * C>(&a[0][0], &sums[0][0]);
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < columns; ++c) y[r * N + c] = sums[r][c];
+#else
+  for (int r = 0; r < R; ++r)
+    for (int64_t c = 0; c < columns; ++c) y[r * N + c] = sum_lanes(a[r][c]);
+#endif
+}
+
 // Block types: a stored block of VALUES weights in BYTES bytes, read GROUP = 32 weights (a
 // group) at a time. decode_group(Block{}, row, g, w) gives group g of a weight row (its inputs
 // 32 g .. 32 g + 31, in order) as vectors (or, in the scalar build, 32 floats), each weight
@@ -418,7 +433,7 @@ inline void decode_block(Block, const uint8_t* row, int64_t g, float* w) {
 // R activation rows (1-5, or 1-8 with AVX-512: plain decoding, a verify pass over a small tree,
 // a drafter's first depths) times C weight rows, each block decoded in registers once and used
 // at once for all R rows: the buffer of `tiles` pays for its stores and loads only when more rows
-// share a decoded block. The same sums as multiply_tile's, lane j adding k = j, j + VLANES, ...
+// share a decoded block. The same sums as multiply_pass's, lane j adding k = j, j + VLANES, ...
 // in order.
 template <typename Block, int R, int C>
 inline void few_rows(const float* x, int64_t K, const uint8_t* rows, int64_t groups, float* y, int64_t N) {
@@ -438,15 +453,7 @@ inline void few_rows(const float* x, int64_t K, const uint8_t* rows, int64_t gro
         for (int i = 0; i < BLOCK_VECTORS; ++i) a[r][c] = vfmadd(w[i], vload(xs + r * K + VLANES * i), a[r][c]);
     }
   }
-#ifdef __AVX512F__
-  float sums[R][C];
-  lane_sums<R * C>(&a[0][0], &sums[0][0]);
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * N + c] = sums[r][c];
-#else
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) y[r * N + c] = sum_lanes(a[r][c]);
-#endif
+  store_sums(a, y, N, C);
 }
 
 template <typename Block, int R>
@@ -569,15 +576,7 @@ __attribute__((noinline)) void multiply_pass(const float* x, int64_t K, const fl
       for (int c = 0; c < C; ++c)
         for (int j = 0; j < LANES; ++j) a[r][c][j] += w[c * K + k + j] * x[r * K + k + j];
 #endif
-#ifdef __AVX512F__
-  float sums[R][C];
-  lane_sums<R * C>(&a[0][0], &sums[0][0]);
-  for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < columns; ++c) y[r * N + c] = sums[r][c];
-#else
-  for (int r = 0; r < R; ++r)
-    for (int64_t c = 0; c < columns; ++c) y[r * N + c] = sum_lanes(a[r][c]);
-#endif
+  store_sums(a, y, N, columns);
 }
 
 // Output columns of tiles [t0, t1) of y [M, N] from x [M, K] and W's blocks [N, K / 32, BYTES]:
